@@ -1,0 +1,336 @@
+"""K3 model configuration: frozen dataclasses whose field names are the official config.json keys.
+
+`K3Config` is the text model (`text_config` of the released checkpoint, `model_type: "kimi_linear"`);
+`LinearAttnConfig` is its nested `linear_attn_config`. `K3Config.from_hf(d)` accepts either the full
+multimodal config (top level `model_type: "kimi_k3"` with a `text_config`) or a bare text config, and
+`to_hf()` gives back the same structure: every key we do not model (HF `PretrainedConfig` defaults, the
+wrapper's `vision_config`, `auto_map`, ...) is kept verbatim in `extra` / `wrapper` so the official file
+round-trips exactly.
+
+Ablation switches that the release does not have (SPEC §4; the K2-style counterparts used by
+`k3 ablate`) are k3 extension keys. They are written by `to_hf()` only when they differ from the K3
+default, so an official config stays byte-for-byte official:
+
+    use_attn_res      True: Block AttnRes (SPEC §3.3); False: plain pre-norm residual stream
+    use_latent_moe    True: Stable LatentMoE (SPEC §3.7); False: plain MoE, experts at full width
+    bias_update       "quantile": Quantile Balancing (SPEC §4.1); "sign": DeepSeek-V3 aux-free sign update
+    bias_update_rate  step size of the sign update (ignored by Quantile Balancing)
+    rope_theta        RoPE base, used only when mla_use_nope is False (K2-style RoPE MLA)
+    mla_latent_norm_eps  eps of q_a/kv_a latent norms; SPEC §8.2 conflict -> we follow vLLM (rms_norm_eps)
+
+`hidden_act` selects the GLU: "situ" (K3's SiTU-GLU, SPEC §3.6) or "silu" (SwiGLU).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+PRESET_DIR = Path(__file__).parent / "presets"
+PRESETS = ("k3-nano", "k3-tiny", "k3-small", "k3-full")
+
+_ACTS = ("situ", "silu")
+_BIAS_UPDATES = ("quantile", "sign")
+
+
+def _check(cond: bool, key: str, msg: str) -> None:
+    if not cond:
+        raise ValueError(f"config key '{key}': {msg}")
+
+
+def _positive_int(value: Any, key: str) -> None:
+    _check(isinstance(value, int) and not isinstance(value, bool) and value > 0, key,
+           f"must be a positive integer, got {value!r}")
+
+
+@dataclass(frozen=True)
+class LinearAttnConfig:
+    """`linear_attn_config`: KDA heads and the KDA/MLA layer pattern (layer lists are 1-indexed)."""
+
+    num_heads: int
+    head_dim: int
+    full_attn_layers: tuple[int, ...]
+    kda_layers: tuple[int, ...]
+    short_conv_kernel_size: int = 4
+    gate_lower_bound: float | None = -5.0
+    use_full_rank_gate: bool = True
+    extra: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def validate(self, num_layers: int) -> None:
+        p = "linear_attn_config."
+        _positive_int(self.num_heads, p + "num_heads")
+        _positive_int(self.head_dim, p + "head_dim")
+        _positive_int(self.short_conv_kernel_size, p + "short_conv_kernel_size")
+        if self.gate_lower_bound is not None:
+            _check(-5.0 <= self.gate_lower_bound < 0, p + "gate_lower_bound",
+                   f"must be in [-5, 0) or null, got {self.gate_lower_bound!r}")
+        full, kda = set(self.full_attn_layers), set(self.kda_layers)
+        _check(not (full & kda), p + "full_attn_layers",
+               f"layers {sorted(full & kda)} are listed as both KDA and full attention")
+        _check(full | kda == set(range(1, num_layers + 1)), p + "kda_layers",
+               f"kda_layers + full_attn_layers must cover layers 1..{num_layers} (1-indexed) exactly")
+
+    def to_hf(self) -> dict:
+        d = dict(self.extra)
+        for f in dataclasses.fields(self):
+            if f.name != "extra":
+                v = getattr(self, f.name)
+                d[f.name] = list(v) if isinstance(v, tuple) else v
+        return d
+
+    @classmethod
+    def from_hf(cls, d: dict) -> LinearAttnConfig:
+        _check(isinstance(d, dict), "linear_attn_config", f"must be an object, got {type(d).__name__}")
+        names = {f.name for f in dataclasses.fields(cls)} - {"extra"}
+        for key in ("num_heads", "head_dim", "full_attn_layers", "kda_layers"):
+            _check(key in d, f"linear_attn_config.{key}", "is required")
+        kw = {k: v for k, v in d.items() if k in names}
+        for key in ("full_attn_layers", "kda_layers"):
+            _check(isinstance(kw[key], list | tuple), f"linear_attn_config.{key}", "must be a list")
+            kw[key] = tuple(kw[key])
+        return cls(**kw, extra={k: v for k, v in d.items() if k not in names})
+
+
+@dataclass(frozen=True)
+class K3Config:
+    """The K3 text model. Field names are the official `text_config` keys (SPEC §1.1)."""
+
+    # trunk
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    linear_attn_config: LinearAttnConfig
+    rms_norm_eps: float = 1e-5
+    max_position_embeddings: int = 1048576
+    tie_word_embeddings: bool = False
+    hidden_act: str = "situ"
+    activation_situ_beta: float = 4.0
+    activation_situ_linear_beta: float = 25.0
+    initializer_range: float = 0.02
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+    pad_token_id: int | None = None
+    dtype: str = "bfloat16"
+    use_cache: bool = True
+    # MLA
+    num_attention_heads: int = 96
+    num_key_value_heads: int = 96
+    q_lora_rank: int | None = 1536
+    kv_lora_rank: int = 512
+    qk_nope_head_dim: int = 128
+    qk_rope_head_dim: int = 64
+    v_head_dim: int = 128
+    mla_use_nope: bool = True
+    mla_use_output_gate: bool = True
+    # AttnRes
+    attn_res_block_size: int = 12
+    # MoE
+    num_experts: int = 896
+    num_experts_per_token: int = 16
+    num_shared_experts: int = 2
+    moe_intermediate_size: int = 3072
+    routed_expert_hidden_size: int = 3584
+    latent_moe_use_norm: bool = True
+    intermediate_size: int = 33792
+    first_k_dense_replace: int = 1
+    moe_layer_freq: int = 1
+    moe_router_activation_func: str = "sigmoid"
+    moe_renormalize: bool = True
+    routed_scaling_factor: float = 1.0
+    topk_method: str = "noaux_tc"
+    use_grouped_topk: bool = True
+    num_expert_group: int = 1
+    topk_group: int = 1
+    num_nextn_predict_layers: int = 0
+    quantization_config: dict | None = None
+    model_type: str = "kimi_linear"
+    # k3 extension keys (ablation switches); written by to_hf() only when they differ from these defaults
+    use_attn_res: bool = True
+    use_latent_moe: bool = True
+    bias_update: str = "quantile"
+    bias_update_rate: float = 1e-3
+    rope_theta: float = 10000.0
+    mla_latent_norm_eps: float | None = None
+    # everything else from the file, kept verbatim
+    extra: dict = field(default_factory=dict, compare=False, repr=False)
+    wrapper: dict | None = field(default=None, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        for key in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "kv_lora_rank",
+                    "qk_nope_head_dim", "v_head_dim", "num_experts", "num_experts_per_token",
+                    "moe_intermediate_size", "routed_expert_hidden_size", "intermediate_size",
+                    "moe_layer_freq", "max_position_embeddings"):
+            _positive_int(getattr(self, key), key)
+        _check(isinstance(self.qk_rope_head_dim, int) and self.qk_rope_head_dim >= 0, "qk_rope_head_dim",
+               f"must be a non-negative integer, got {self.qk_rope_head_dim!r}")
+        if self.q_lora_rank is not None:
+            _positive_int(self.q_lora_rank, "q_lora_rank")
+        _check(self.num_key_value_heads == self.num_attention_heads, "num_key_value_heads",
+               "MLA uses one latent shared by all heads; must equal num_attention_heads")
+        _check(self.hidden_act in _ACTS, "hidden_act", f"must be one of {_ACTS}, got {self.hidden_act!r}")
+        _check(self.moe_router_activation_func == "sigmoid", "moe_router_activation_func",
+               f"only 'sigmoid' is supported, got {self.moe_router_activation_func!r}")
+        _check(self.num_experts_per_token <= self.num_experts, "num_experts_per_token",
+               f"{self.num_experts_per_token} exceeds num_experts={self.num_experts}")
+        _check(isinstance(self.num_shared_experts, int) and self.num_shared_experts >= 0, "num_shared_experts",
+               f"must be a non-negative integer, got {self.num_shared_experts!r}")
+        _check(isinstance(self.first_k_dense_replace, int) and 0 <= self.first_k_dense_replace
+               <= self.num_hidden_layers, "first_k_dense_replace", "must be in [0, num_hidden_layers]")
+        _check(isinstance(self.attn_res_block_size, int) and self.attn_res_block_size > 0,
+               "attn_res_block_size", f"must be a positive integer, got {self.attn_res_block_size!r}")
+        _check(self.rms_norm_eps > 0, "rms_norm_eps", f"must be > 0, got {self.rms_norm_eps!r}")
+        _check(self.bias_update in _BIAS_UPDATES, "bias_update",
+               f"must be one of {_BIAS_UPDATES}, got {self.bias_update!r}")
+        _check(self.num_expert_group == 1 or not self.use_grouped_topk or
+               self.num_experts % self.num_expert_group == 0, "num_expert_group", "must divide num_experts")
+        _check(self.tie_word_embeddings is False or isinstance(self.tie_word_embeddings, bool),
+               "tie_word_embeddings", "must be a boolean")
+        self.linear_attn_config.validate(self.num_hidden_layers)
+
+    # ---- layer pattern -------------------------------------------------------------------------
+    def is_kda_layer(self, i: int) -> bool:
+        """0-indexed layer i is KDA iff (i+1) is in the 1-indexed `kda_layers` (SPEC §1.1)."""
+        return (i + 1) in self.linear_attn_config.kda_layers
+
+    def is_moe_layer(self, i: int) -> bool:
+        """DeepSeek convention: MoE from `first_k_dense_replace` on, every `moe_layer_freq`-th layer."""
+        return i >= self.first_k_dense_replace and i % self.moe_layer_freq == 0
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def latent_norm_eps(self) -> float:
+        return self.rms_norm_eps if self.mla_latent_norm_eps is None else self.mla_latent_norm_eps
+
+    @property
+    def expert_width(self) -> int:
+        """Width the routed experts work in: the latent width, or the model width for plain MoE."""
+        return self.routed_expert_hidden_size if self.use_latent_moe else self.hidden_size
+
+    def replace(self, **changes: Any) -> K3Config:
+        """A copy with some fields changed (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+    # ---- HF JSON -------------------------------------------------------------------------------
+    @classmethod
+    def from_hf(cls, d: dict) -> K3Config:
+        """Build from an official config.json dict (multimodal wrapper or bare text_config)."""
+        if not isinstance(d, dict):
+            raise ValueError(f"config must be a JSON object, got {type(d).__name__}")
+        wrapper = None
+        if "text_config" in d:
+            wrapper = {k: copy.deepcopy(v) for k, v in d.items() if k != "text_config"}
+            d = d["text_config"]
+        names = {f.name for f in dataclasses.fields(cls)} - {"extra", "wrapper"}
+        for key in ("vocab_size", "hidden_size", "num_hidden_layers", "linear_attn_config"):
+            _check(key in d, key, "is required")
+        kw = {k: copy.deepcopy(v) for k, v in d.items() if k in names}
+        kw["linear_attn_config"] = LinearAttnConfig.from_hf(d["linear_attn_config"])
+        extra = {k: copy.deepcopy(v) for k, v in d.items() if k not in names}
+        try:
+            return cls(**kw, extra=extra, wrapper=wrapper)
+        except TypeError as e:  # a wrong type that the dataclass itself rejects
+            raise ValueError(f"bad config: {e}") from e
+
+    def to_hf(self, text_only: bool = False) -> dict:
+        """The config.json dict; wrapped in the multimodal layout if it was loaded from one."""
+        defaults = {f.name: f.default for f in dataclasses.fields(K3Config)}
+        ext = ("use_attn_res", "use_latent_moe", "bias_update", "bias_update_rate", "rope_theta",
+               "mla_latent_norm_eps")
+        d = copy.deepcopy(self.extra)
+        for f in dataclasses.fields(self):
+            if f.name in ("extra", "wrapper"):
+                continue
+            v = getattr(self, f.name)
+            if f.name in ext and v == defaults[f.name]:
+                continue
+            if f.name == "rope_theta" and self.mla_use_nope:
+                continue
+            if f.name == "quantization_config" and v is None:
+                continue
+            d[f.name] = v.to_hf() if f.name == "linear_attn_config" else copy.deepcopy(v)
+        d = dict(sorted(d.items()))
+        if self.wrapper is None or text_only:
+            return d
+        out = copy.deepcopy(self.wrapper)
+        out["text_config"] = d
+        return dict(sorted(out.items()))
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_hf(), indent=2, sort_keys=True) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> K3Config:
+        p = Path(path)
+        if p.is_dir():
+            p = p / "config.json"
+        if not p.exists():
+            raise ValueError(f"config file not found: {p}")
+        try:
+            data = json.loads(p.read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{p} is not valid JSON: {e}") from e
+        return cls.from_hf(data)
+
+
+# ---- presets -------------------------------------------------------------------------------------
+def _pattern(num_layers: int) -> tuple[list[int], list[int]]:
+    """3:1 KDA:MLA, every 4th layer MLA, and the last layer always MLA (as in the release)."""
+    full = [i for i in range(4, num_layers + 1, 4)]
+    if num_layers not in full:
+        full.append(num_layers)
+    kda = [i for i in range(1, num_layers + 1) if i not in full]
+    return full, kda
+
+
+def _small_preset(*, vocab: int, d: int, layers: int, kda_heads: int, kda_dim: int, mla_heads: int,
+                  q_lora: int, kv_lora: int, nope: int, rope: int, v: int, experts: int, topk: int,
+                  shared: int, moe_inter: int, latent: int, dense_inter: int, block: int) -> K3Config:
+    full, kda = _pattern(layers)
+    la = LinearAttnConfig(num_heads=kda_heads, head_dim=kda_dim, full_attn_layers=tuple(full),
+                          kda_layers=tuple(kda))
+    base = vocab - 256  # the 256 reserved ids sit at the top of the vocab, as in the release (SPEC §6.1)
+    return K3Config(
+        vocab_size=vocab, hidden_size=d, num_hidden_layers=layers, linear_attn_config=la,
+        num_attention_heads=mla_heads, num_key_value_heads=mla_heads, q_lora_rank=q_lora,
+        kv_lora_rank=kv_lora, qk_nope_head_dim=nope, qk_rope_head_dim=rope, v_head_dim=v,
+        attn_res_block_size=block, num_experts=experts, num_experts_per_token=topk,
+        num_shared_experts=shared, moe_intermediate_size=moe_inter, routed_expert_hidden_size=latent,
+        intermediate_size=dense_inter, bos_token_id=base, eos_token_id=base + 2, pad_token_id=base + 255,
+        max_position_embeddings=1048576, dtype="float32",
+    )
+
+
+def preset(name: str) -> K3Config:
+    """A named configuration: k3-nano (tests), k3-tiny (CPU demo), k3-small (one GPU), k3-full (release)."""
+    if name == "k3-full":
+        return K3Config.load(PRESET_DIR / "k3-full.json")
+    if name == "k3-nano":  # < 2M parameters: unit tests
+        return _small_preset(vocab=512, d=64, layers=4, kda_heads=2, kda_dim=32, mla_heads=2, q_lora=48,
+                             kv_lora=32, nope=16, rope=8, v=16, experts=8, topk=2, shared=1, moe_inter=32,
+                             latent=32, dense_inter=128, block=2)
+    if name == "k3-tiny":  # ~30M parameters: the CPU training demo
+        return _small_preset(vocab=8192, d=256, layers=8, kda_heads=4, kda_dim=64, mla_heads=4, q_lora=192,
+                             kv_lora=128, nope=64, rope=32, v=64, experts=16, topk=4, shared=1, moe_inter=256,
+                             latent=128, dense_inter=1024, block=4)
+    if name == "k3-small":  # ~0.5B parameters: a GPU user's first run
+        return _small_preset(vocab=32768, d=1024, layers=16, kda_heads=8, kda_dim=128, mla_heads=8,
+                             q_lora=512, kv_lora=256, nope=128, rope=64, v=128, experts=64, topk=6, shared=1,
+                             moe_inter=512, latent=512, dense_inter=4096, block=4)
+    raise ValueError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)} or a config.json path")
+
+
+def load_config(name_or_path: str) -> K3Config:
+    """A preset name, a config.json file, or a checkpoint directory holding config.json."""
+    if name_or_path in PRESETS:
+        return preset(name_or_path)
+    p = Path(name_or_path)
+    if p.exists():
+        return K3Config.load(p)
+    raise ValueError(f"{name_or_path!r} is neither a preset ({', '.join(PRESETS)}) nor an existing path")
