@@ -1,0 +1,438 @@
+"""K3Tokenizer: byte-level BPE with the K3 reserved-token block (SPEC §6.1), trained or loaded.
+
+Layout. Ids ``0 .. base-1`` are ordinary BPE tokens; the last 256 ids ``base .. base+255`` are the
+reserved block, ``base = vocab_size - 256``. Offsets inside the block mirror the released tokenizer,
+where ``base = 163584`` (163,584 tiktoken ranks) and ``vocab_size = 163840``:
+
+    +0 [BOS]   +1 [EOS]   +2 <|end_of_msg|> (eos_id, the stop token)   +3 <|open|>  +4 <|close|>  +5 <|sep|>
+    +6 [start_header_id]  +7 [end_header_id]  +9 [EOT]  +18..+21 <|media_begin|> <|media_content|>
+    <|media_end|> <|media_pad|>   +65 <osagent_mode>   +254 [UNK]   +255 [PAD]
+
+Other slots are ``<|reserved_token_ID|>`` (ID = the absolute id). All reserved tokens are "special"
+(dropped by ``decode(skip_special=True)``) except the XTML markers ``<|open|> <|close|> <|sep|>``.
+
+Forgery. The ordinary BPE knows nothing of reserved names, so ``encode(text)`` turns a literal
+``"<|open|>"`` into ordinary byte tokens; only ``encode(text, allow_special=True)`` maps reserved
+names to their ids. (An HF ``tokenizers``/``transformers`` tokenizer built from our ``tokenizer.json``
+registers the reserved tokens as added tokens and so always matches them -- use this class for
+untrusted text.)
+
+Pre-tokenisation. A GPT-4 (cl100k)-style split, PRE_TOKENIZER_PATTERN: letter runs with one optional
+leading non-letter, digit groups of at most 3, punctuation runs, newline runs and other whitespace.
+K3's regex is K2's, which we have not verified (SPEC §8.9); the regex only changes how text is cut
+before BPE, so any pattern decodes losslessly.
+
+Backends. A trained tokenizer uses HF ``tokenizers`` (byte-level BPE, saved as ``tokenizer.json`` +
+``tokenizer_config.json``). ``K3Tokenizer.from_dir`` also reads the official ``tiktoken.model``
+(base64-token/rank lines) through the optional ``tiktoken`` package.
+
+Caching: :func:`load_or_train_tokenizer` keeps trained tokenizers in
+``$K3_CACHE_DIR/tokenizers/<corpus fingerprint>-<vocab_size>/`` (default ``~/.cache/k3``).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import re
+import shutil
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+NUM_RESERVED = 256
+MIN_VOCAB_SIZE = 256 + NUM_RESERVED  # every byte plus the reserved block
+DEFAULT_VOCAB_SIZE = 8192
+DEFAULT_MAX_TRAIN_BYTES = 256 * 2**20  # the stdlib (~31 MB) trains in full
+DEFAULT_MODEL_MAX_LENGTH = 1_048_576  # config.json max_position_embeddings
+FORMAT_VERSION = 1
+PRE_TOKENIZER_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+# offset in the reserved block -> (name, special); SPEC §6.1
+_NAMED_RESERVED = {
+    0: ("[BOS]", True),
+    1: ("[EOS]", True),
+    2: ("<|end_of_msg|>", True),
+    3: ("<|open|>", False),
+    4: ("<|close|>", False),
+    5: ("<|sep|>", False),
+    6: ("[start_header_id]", True),
+    7: ("[end_header_id]", True),
+    9: ("[EOT]", True),
+    18: ("<|media_begin|>", True),
+    19: ("<|media_content|>", True),
+    20: ("<|media_end|>", True),
+    21: ("<|media_pad|>", True),
+    65: ("<osagent_mode>", True),
+    254: ("[UNK]", True),
+    255: ("[PAD]", True),
+}
+
+
+@dataclass(frozen=True)
+class ReservedToken:
+    id: int
+    name: str
+    special: bool  # dropped by decode(skip_special=True)
+
+
+def reserved_tokens(base: int) -> list[ReservedToken]:
+    """The 256 reserved tokens with ids ``base .. base+255`` (``base=163584`` gives the official ids)."""
+    out = []
+    for off in range(NUM_RESERVED):
+        name, special = _NAMED_RESERVED.get(off, (f"<|reserved_token_{base + off}|>", True))
+        out.append(ReservedToken(base + off, name, special))
+    return out
+
+
+class _HFBackend:
+    """Ordinary ids only: an HF ``tokenizers.Tokenizer`` without added tokens."""
+
+    def __init__(self, tok):
+        self.tok = tok
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [e.ids for e in self.tok.encode_batch_fast(texts, add_special_tokens=False)]
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tok.decode(ids, skip_special_tokens=False)
+
+
+class _TiktokenBackend:
+    """Ordinary ids only: a ``tiktoken.Encoding`` over the mergeable ranks, no special tokens."""
+
+    def __init__(self, ranks: dict[bytes, int], pat_str: str):
+        tiktoken = _import_tiktoken()
+        self.ranks = ranks
+        self.enc = tiktoken.Encoding("k3", pat_str=pat_str, mergeable_ranks=ranks, special_tokens={})
+
+    def encode(self, text: str) -> list[int]:
+        return self.enc.encode_ordinary(text)
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return self.enc.encode_ordinary_batch(texts)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.enc.decode_bytes(ids).decode("utf-8", errors="replace")
+
+
+def _import_tiktoken():
+    try:
+        import tiktoken
+    except ImportError as e:
+        raise ImportError(
+            "loading a tiktoken.model tokenizer needs the tiktoken package: pip install tiktoken"
+        ) from e
+    return tiktoken
+
+
+class K3Tokenizer:
+    """Ordinary BPE ids ``[0, base)`` plus the reserved block ``[base, base+256)``; see the module doc."""
+
+    def __init__(
+        self,
+        backend,
+        base: int,
+        reserved: Sequence[ReservedToken] | None = None,
+        pat_str: str = PRE_TOKENIZER_PATTERN,
+        model_max_length: int = DEFAULT_MODEL_MAX_LENGTH,
+        max_train_bytes: int | None = None,
+    ):
+        self._backend = backend
+        self.base = base
+        self.reserved = list(reserved) if reserved is not None else reserved_tokens(base)
+        if [t.id for t in self.reserved] != list(range(base, base + NUM_RESERVED)):
+            raise ValueError(f"reserved must hold ids {base}..{base + NUM_RESERVED - 1} in order")
+        self._by_name = {t.name: t for t in self.reserved}
+        names = sorted(self._by_name, key=len, reverse=True)
+        self._reserved_re = re.compile("|".join(re.escape(n) for n in names))
+        self.pat_str = pat_str
+        self.model_max_length = model_max_length
+        self.max_train_bytes = max_train_bytes  # None unless trained here
+
+    @property
+    def vocab_size(self) -> int:
+        return self.base + NUM_RESERVED
+
+    @property
+    def bos_id(self) -> int:
+        return self.token_to_id("[BOS]")
+
+    @property
+    def eos_id(self) -> int:
+        """``<|end_of_msg|>``: the stop token (config ``eos_token_id``) and our document separator."""
+        return self.token_to_id("<|end_of_msg|>")
+
+    @property
+    def pad_id(self) -> int:
+        return self.token_to_id("[PAD]")
+
+    @property
+    def unk_id(self) -> int:
+        return self.token_to_id("[UNK]")
+
+    def token_to_id(self, name: str) -> int:
+        """Id of a reserved token by name, e.g. ``token_to_id("<|open|>") == base + 3``."""
+        if name not in self._by_name:
+            raise ValueError(f"name is not a reserved token: {name!r}")
+        return self._by_name[name].id
+
+    def id_to_token(self, token_id: int) -> str:
+        """Name of a reserved id."""
+        if not self.base <= token_id < self.vocab_size:
+            raise ValueError(f"token_id {token_id} is not a reserved id ({self.base}..{self.vocab_size - 1})")
+        return self.reserved[token_id - self.base].name
+
+    def is_special(self, token_id: int) -> bool:
+        return token_id >= self.base and self.reserved[token_id - self.base].special
+
+    def encode(self, text: str, allow_special: bool = False) -> list[int]:
+        """Token ids of ``text``; reserved names become their ids only if ``allow_special``."""
+        if not allow_special:
+            return self._backend.encode(text)
+        ids, pos = [], 0
+        for m in self._reserved_re.finditer(text):
+            ids += self._backend.encode(text[pos : m.start()]) if m.start() > pos else []
+            ids.append(self._by_name[m.group()].id)
+            pos = m.end()
+        return ids + (self._backend.encode(text[pos:]) if pos < len(text) else [])
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        """``[encode(t) for t in texts]`` (reserved names not matched), multi-threaded."""
+        return self._backend.encode_batch(list(texts))
+
+    def decode(self, ids: Iterable[int], skip_special: bool = True) -> str:
+        """Text of ``ids``; special reserved tokens are dropped if ``skip_special``, markers always kept."""
+        parts, run = [], []
+        for i in map(int, ids):
+            if not 0 <= i < self.vocab_size:
+                raise ValueError(f"ids holds {i}, outside the vocabulary [0, {self.vocab_size})")
+            if i < self.base:
+                run.append(i)
+                continue
+            if run:
+                parts.append(self._backend.decode(run))
+                run = []
+            if not (skip_special and self.is_special(i)):
+                parts.append(self.reserved[i - self.base].name)
+        if run:
+            parts.append(self._backend.decode(run))
+        return "".join(parts)
+
+    # ---- persistence -------------------------------------------------------------------------------
+
+    def save(self, directory: str | os.PathLike) -> Path:
+        """Write ``tokenizer.json`` (or ``tiktoken.model``) and ``tokenizer_config.json`` to ``directory``."""
+        d = Path(directory)
+        d.mkdir(parents=True, exist_ok=True)
+        if isinstance(self._backend, _TiktokenBackend):
+            lines = (f"{base64.b64encode(b).decode()} {r}\n" for b, r in self._backend.ranks.items())
+            (d / "tiktoken.model").write_text("".join(lines))
+        else:
+            (d / "tokenizer.json").write_text(self._hf_json())
+        (d / "tokenizer_config.json").write_text(json.dumps(self._config(), indent=1, ensure_ascii=False))
+        return d
+
+    def _hf_json(self) -> str:
+        """The ordinary BPE with the reserved tokens in its vocab and as added tokens, at their ids."""
+        data = json.loads(self._backend.tok.to_str())
+        for t in self.reserved:
+            data["model"]["vocab"][t.name] = t.id
+            data["added_tokens"].append(
+                dict(id=t.id, content=t.name, single_word=False, lstrip=False, rstrip=False, normalized=False)
+                | {"special": t.special}
+            )
+        return json.dumps(data, ensure_ascii=False)
+
+    def _config(self) -> dict:
+        backend = "tiktoken" if isinstance(self._backend, _TiktokenBackend) else "hf"
+        tokens = {
+            "bos_token": "[BOS]",
+            "eos_token": "<|end_of_msg|>",
+            "pad_token": "[PAD]",
+            "unk_token": "[UNK]",
+        }
+        extra = [t.name for t in self.reserved if t.special and t.name not in tokens.values()]
+        decoder = {str(t.id): {"content": t.name, "special": t.special} for t in self.reserved}
+        k3 = dict(format_version=FORMAT_VERSION, backend=backend, vocab_size=self.vocab_size, base=self.base)
+        k3 |= dict(pat_str=self.pat_str, max_train_bytes=self.max_train_bytes)
+        return dict(
+            tokenizer_class="PreTrainedTokenizerFast" if backend == "hf" else "TikTokenTokenizer",
+            **tokens,
+            bos_token_id=self.bos_id,
+            eos_token_id=self.eos_id,
+            pad_token_id=self.pad_id,
+            model_max_length=self.model_max_length,
+            add_bos_token=False,
+            add_eos_token=False,
+            special_tokens_map=tokens | {"additional_special_tokens": extra},
+            added_tokens_decoder=decoder,
+            k3=k3,
+        )
+
+    @classmethod
+    def from_dir(cls, directory: str | os.PathLike) -> K3Tokenizer:
+        """Load a directory written by :meth:`save`, or one holding the official ``tiktoken.model``."""
+        d = Path(directory)
+        cfg_path = d / "tokenizer_config.json"
+        cfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+        meta = {k: v for k, v in cfg.get("k3", {}).items() if k in ("pat_str", "max_train_bytes")}
+        if "model_max_length" in cfg:
+            meta["model_max_length"] = cfg["model_max_length"]
+        if (d / "tokenizer.json").is_file():
+            return _load_hf(d / "tokenizer.json", meta)
+        if (d / "tiktoken.model").is_file():
+            return _load_tiktoken(d / "tiktoken.model", cfg, meta)
+        raise ValueError(f"directory holds neither tokenizer.json nor tiktoken.model: {str(directory)!r}")
+
+    load = from_dir
+
+
+def _load_hf(path: Path, meta: dict) -> K3Tokenizer:
+    from tokenizers import Tokenizer
+
+    data = json.loads(path.read_text())
+    added = sorted(data.pop("added_tokens", []), key=lambda t: t["id"])
+    if len(added) != NUM_RESERVED:
+        raise ValueError(f"{path} must have {NUM_RESERVED} added (reserved) tokens, found {len(added)}")
+    base = added[0]["id"]
+    reserved = [ReservedToken(t["id"], t["content"], bool(t["special"])) for t in added]
+    for t in reserved:
+        data["model"]["vocab"].pop(t.name, None)
+    data["added_tokens"] = []
+    return K3Tokenizer(_HFBackend(Tokenizer.from_str(json.dumps(data))), base, reserved, **meta)
+
+
+def _load_tiktoken(path: Path, cfg: dict, meta: dict) -> K3Tokenizer:
+    ranks = {}
+    for n, line in enumerate(path.read_text().splitlines()):
+        if line.strip():
+            try:
+                tok, rank = line.split()
+                ranks[base64.b64decode(tok, validate=True)] = int(rank)
+            except ValueError as e:
+                raise ValueError(
+                    f"{path}:{n + 1}: expected '<base64 token> <rank>', got {line[:80]!r}"
+                ) from e
+    base = len(ranks)
+    if sorted(ranks.values()) != list(range(base)):
+        raise ValueError(f"{path}: ranks must be exactly 0..{base - 1}")
+    reserved = reserved_tokens(base)
+    for sid, entry in cfg.get("added_tokens_decoder", {}).items():  # official names/flags win
+        if base <= int(sid) < base + NUM_RESERVED:
+            reserved[int(sid) - base] = ReservedToken(
+                int(sid), entry["content"], bool(entry.get("special", True))
+            )
+    backend = _TiktokenBackend(ranks, meta.get("pat_str", PRE_TOKENIZER_PATTERN))
+    return K3Tokenizer(backend, base, reserved, **meta)
+
+
+# ---- training ----------------------------------------------------------------------------------------
+
+
+def train_tokenizer(
+    texts: Iterable[str], vocab_size: int = DEFAULT_VOCAB_SIZE, max_train_bytes: int = DEFAULT_MAX_TRAIN_BYTES
+) -> K3Tokenizer:
+    """Train byte-level BPE on ``texts`` (its first ``max_train_bytes`` UTF-8 bytes) to ``vocab_size`` ids.
+
+    ``vocab_size`` counts the 256 reserved ids, so BPE learns ``vocab_size - 512`` merges on top of the
+    256 byte tokens. If the text supports fewer merges, the unused ordinary ids are filled with
+    unreachable ``<|unused_ID|>`` entries so the id layout stays fixed.
+    """
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    if vocab_size < MIN_VOCAB_SIZE:
+        raise ValueError(
+            f"vocab_size must be >= {MIN_VOCAB_SIZE} (256 bytes + 256 reserved), got {vocab_size}"
+        )
+    base = vocab_size - NUM_RESERVED
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(PRE_TOKENIZER_PATTERN), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel()
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    trainer = trainers.BpeTrainer(vocab_size=base, initial_alphabet=alphabet, show_progress=False)
+    tok.train_from_iterator(_take_bytes(texts, max_train_bytes), trainer)
+    if tok.get_vocab_size() < base:
+        data = json.loads(tok.to_str())
+        data["model"]["vocab"] |= {f"<|unused_{i}|>": i for i in range(tok.get_vocab_size(), base)}
+        tok = Tokenizer.from_str(json.dumps(data))
+    return K3Tokenizer(_HFBackend(tok), base, max_train_bytes=max_train_bytes)
+
+
+def _take_bytes(texts: Iterable[str], max_bytes: int) -> Iterable[str]:
+    """The leading texts whose UTF-8 size sums to at most ``max_bytes`` (the last one cut)."""
+    left = max_bytes
+    for t in texts:
+        if left <= 0:
+            return
+        b = t.encode("utf-8")
+        yield t if len(b) <= left else b[:left].decode("utf-8", errors="ignore")
+        left -= len(b)
+
+
+def default_cache_dir() -> Path:
+    """``$K3_CACHE_DIR``, else ``~/.cache/k3``: the root of every k3 cache."""
+    return Path(os.environ.get("K3_CACHE_DIR") or "~/.cache/k3").expanduser()
+
+
+def tokenizer_cache_path(
+    fingerprint: str, vocab_size: int, cache_dir: str | os.PathLike | None = None
+) -> Path:
+    """``<cache_dir or default_cache_dir()>/tokenizers/<fingerprint>-<vocab_size>``."""
+    return Path(cache_dir or default_cache_dir()) / "tokenizers" / f"{fingerprint}-{vocab_size}"
+
+
+def load_or_train_tokenizer(
+    fingerprint: str,
+    texts_fn: Callable[[], Iterable[str]],
+    vocab_size: int = DEFAULT_VOCAB_SIZE,
+    cache_dir: str | os.PathLike | None = None,
+    max_train_bytes: int = DEFAULT_MAX_TRAIN_BYTES,
+) -> K3Tokenizer:
+    """The valid cached tokenizer for ``fingerprint``, else one trained on ``texts_fn()`` (then cached).
+
+    ``texts_fn`` is only called on a cache miss, so a hit does not even load the corpus.
+    """
+    path = tokenizer_cache_path(fingerprint, vocab_size, cache_dir)
+    cached = _load_cached(path, vocab_size, max_train_bytes)
+    if cached is not None:
+        return cached
+    tok = train_tokenizer(texts_fn(), vocab_size, max_train_bytes)
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    tok.save(tmp)
+    if path.exists():  # stale or foreign: replace
+        shutil.rmtree(path, ignore_errors=True)
+    try:
+        os.rename(tmp, path)
+    except OSError:  # another process won the race; its copy is as good as ours
+        shutil.rmtree(tmp, ignore_errors=True)
+    return tok
+
+
+def _load_cached(path: Path, vocab_size: int, max_train_bytes: int) -> K3Tokenizer | None:
+    want = dict(format_version=FORMAT_VERSION, vocab_size=vocab_size, max_train_bytes=max_train_bytes)
+    try:
+        k3 = json.loads((path / "tokenizer_config.json").read_text())["k3"]
+        return K3Tokenizer.from_dir(path) if all(k3.get(k) == v for k, v in want.items()) else None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
+def bytes_per_token(tokenizer: K3Tokenizer, texts: Iterable[str]) -> float:
+    """UTF-8 bytes per token over ``texts`` (compression; higher is better)."""
+    texts = list(texts)
+    n_tokens = sum(len(ids) for ids in tokenizer.encode_batch(texts))
+    if n_tokens == 0:
+        raise ValueError("texts must contain at least one non-empty text")
+    return sum(len(t.encode("utf-8")) for t in texts) / n_tokens
