@@ -1,0 +1,48 @@
+"""Engine configuration (frozen dataclass, checked in __post_init__)."""
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Memory is sized up front: `num_pages` MLA pages of `page_size` tokens (shared by all MLA layers'
+    pools) and `max_num_seqs` KDA state slots. One step feeds at most `max_num_batched_tokens` tokens,
+    a prefill chunk at most `max_prefill_chunk`. The prefix cache matches in units of `prefix_unit`
+    tokens and keeps KDA snapshots within `snapshot_budget_bytes`, at most `snapshots_per_path` on one
+    conversation's chain."""
+
+    page_size: int = 64
+    num_pages: int = 512
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 2048
+    max_prefill_chunk: int = 1024
+    max_model_len: int = 8192
+    enable_prefix_cache: bool = True
+    prefix_unit: int = 64
+    snapshot_budget_bytes: int = 1 << 30
+    snapshots_per_path: int = 4
+
+    def __post_init__(self):
+        for name in (
+            "page_size",
+            "num_pages",
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "max_prefill_chunk",
+            "max_model_len",
+            "prefix_unit",
+            "snapshots_per_path",
+        ):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.page_size % self.prefix_unit:
+            raise ValueError(
+                f"page_size ({self.page_size}) must be a multiple of prefix_unit ({self.prefix_unit})"
+            )
+        if self.max_model_len > self.num_pages * self.page_size:
+            raise ValueError(
+                f"max_model_len ({self.max_model_len}) exceeds the page pool "
+                f"({self.num_pages} x {self.page_size} tokens)"
+            )
+        if self.snapshot_budget_bytes < 0:
+            raise ValueError(f"snapshot_budget_bytes must be >= 0, got {self.snapshot_budget_bytes}")

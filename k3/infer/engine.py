@@ -1,0 +1,193 @@
+"""Engine: add_request / step / generate / abort over the scheduler, the model runner and the sampler.
+
+One `step()` plans a batch (`Scheduler`), runs it (`ModelRunner`), then per fed sequence: records prompt
+logprobs, registers completed units' pages and aligned KDA snapshots with the prefix cache, samples when
+the sequence has consumed all its tokens, and applies the stop rules (stop token ids incl. EOS, stop
+strings on the detokenized text, max_tokens, max_model_len). A snapshot taken during decode is kept as
+the sequence's pending snapshot and registered when it finishes (the next turn resumes there).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from k3.infer.config import EngineConfig
+from k3.infer.model_runner import ModelRunner
+from k3.infer.prefix_cache import chain_hashes
+from k3.infer.sampler import logprobs, sample
+from k3.infer.scheduler import Scheduler
+from k3.infer.sequence import SamplingParams, Sequence, Status
+
+
+@dataclass
+class StepOutput:
+    seq: Sequence
+    new_tokens: list[int]
+    finished: bool
+
+
+class Engine:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        config: EngineConfig | None = None,
+        tokenizer=None,
+        eos_token_id: int | None = None,
+    ):
+        self.config = config or EngineConfig()
+        self.model, self.tokenizer = model.eval(), tokenizer
+        self.eos_token_id = (
+            eos_token_id
+            if eos_token_id is not None
+            else (tokenizer.eos_id if tokenizer is not None else model.config.eos_token_id)
+        )
+        self.vocab_size = model.config.vocab_size
+        self.scheduler = Scheduler(self.config)
+        self.runner = ModelRunner(model, self.config)
+        self.generator = torch.Generator().manual_seed(0)
+        self.requests: dict[str, Sequence] = {}
+        self.stats = dict(requests=0, prompt_tokens=0, generated_tokens=0)
+
+    # ---- requests -----------------------------------------------------------------------------------
+    def add_request(
+        self,
+        prompt: list[int],
+        params: SamplingParams | None = None,
+        salt: str = "",
+        request_id: str | None = None,
+    ) -> Sequence:
+        params = params or SamplingParams()
+        if not prompt:
+            raise ValueError("prompt must contain at least one token")
+        if any(not isinstance(t, int) or not 0 <= t < self.vocab_size for t in prompt):
+            raise ValueError(f"prompt token ids must be ints in [0, {self.vocab_size})")
+        if len(prompt) > self.config.max_model_len:
+            raise ValueError(
+                f"prompt has {len(prompt)} tokens, more than max_model_len {self.config.max_model_len}"
+            )
+        if request_id is not None and request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        seq = Sequence(list(prompt), params, salt=salt, request_id=request_id or "")
+        seq.generator = self.generator if params.seed is None else torch.Generator().manual_seed(params.seed)
+        self.requests[seq.request_id] = seq
+        self.stats["requests"] += 1
+        self.stats["prompt_tokens"] += len(prompt)
+        self.scheduler.add(seq)
+        return seq
+
+    def abort(self, request_id: str) -> None:
+        seq = self.requests.pop(request_id, None)
+        if seq is not None and seq.status is not Status.FINISHED:
+            seq.finish_reason = "abort"
+            self.scheduler.finish(seq)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work
+
+    # ---- stepping -----------------------------------------------------------------------------------
+    def step(self) -> list[StepOutput]:
+        plan = self.scheduler.schedule()
+        if not plan:
+            return []
+        all_logits = self.runner.execute(plan)
+        outputs = []
+        for (seq, n), logits in zip(plan.items, all_logits, strict=True):
+            before = len(seq.output)
+            self._advance(seq, n, logits)
+            if (
+                seq.status is not Status.FINISHED
+                and seq.num_computed == len(seq)
+                and len(seq.output) == before
+            ):
+                self._finish(seq, "length")  # max_tokens == 0: prompt scored, nothing to generate
+            if len(seq.output) > before or seq.status is Status.FINISHED:
+                outputs.append(StepOutput(seq, seq.output[before:], seq.status is Status.FINISHED))
+        return outputs
+
+    def _advance(self, seq: Sequence, n: int, logits: torch.Tensor) -> None:
+        """Account for n fed tokens (logits [n, V]) and sample when the sequence is caught up."""
+        c = seq.num_computed
+        if seq.params.prompt_logprobs is not None:
+            for t in range(c, c + n):
+                if t + 1 < len(seq.prompt) and t == len(seq.prompt_logprobs):
+                    seq.prompt_logprobs.append(
+                        logprobs(logits[t - c], seq.prompt[t + 1], seq.params.prompt_logprobs)
+                    )
+        seq.num_computed += n
+        if self.scheduler.cache is not None:
+            self._register(seq, n)
+        if seq.num_computed < len(seq) or len(seq.output) >= seq.params.max_tokens:
+            return
+        tok = sample(logits[-1], seq.params, seq.generator)
+        if seq.params.logprobs is not None:
+            seq.logprobs.append(logprobs(logits[-1], tok, seq.params.logprobs))
+        seq.output.append(tok)
+        self.stats["generated_tokens"] += 1
+        self._check_stop(seq, tok)
+
+    def _register(self, seq: Sequence, n: int) -> None:
+        """New complete units -> MLA cache entries; an aligned state -> a KDA snapshot (now or pending)."""
+        cache, u, ps = self.scheduler.cache, self.config.prefix_unit, self.config.page_size
+        done = len(seq.block_hashes)
+        seq.block_hashes = chain_hashes(
+            seq.tokens, u, seq.salt, seq.num_computed // u, start=seq.block_hashes
+        )
+        for i in range(done, len(seq.block_hashes)):
+            cache.add_page(seq.block_hashes[i], seq.block_table[i * u // ps])
+        if seq.num_computed % u or self.config.snapshot_budget_bytes == 0:
+            return
+        handle = self.runner.snapshot(seq.slot)
+        if n > 1 or seq.num_computed <= len(seq.prompt):
+            cache.add_snapshot(seq.block_hashes, seq.num_computed, handle, self.runner.snapshot_nbytes)
+        else:
+            seq.pending_snapshot = (seq.num_computed, handle)
+
+    def _check_stop(self, seq: Sequence, tok: int) -> None:
+        p = seq.params
+        if self.tokenizer is not None:
+            seq.text = self.tokenizer.decode(seq.output)
+            for s in p.stop:
+                at = seq.text.find(s)
+                if at >= 0:
+                    seq.text = seq.text[:at]
+                    return self._finish(seq, "stop")
+        if tok in p.stop_token_ids or (tok == self.eos_token_id and not p.ignore_eos):
+            return self._finish(seq, "stop")
+        if len(seq.output) >= p.max_tokens or len(seq) >= self.config.max_model_len:
+            return self._finish(seq, "length")
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        seq.finish_reason = reason
+        if seq.pending_snapshot is not None and self.scheduler.cache is not None:
+            length, handle = seq.pending_snapshot
+            self.scheduler.cache.add_snapshot(seq.block_hashes, length, handle, self.runner.snapshot_nbytes)
+        self.scheduler.finish(seq)
+        self.requests.pop(seq.request_id, None)
+
+    # ---- convenience --------------------------------------------------------------------------------
+    def generate(
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams | list[SamplingParams] | None = None,
+        salt: str = "",
+    ) -> list[Sequence]:
+        """Run prompts to completion (continuous batching) -> finished sequences in prompt order."""
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        seqs = [self.add_request(p, sp, salt=salt) for p, sp in zip(prompts, plist, strict=True)]
+        while any(s.status is not Status.FINISHED for s in seqs):
+            self.step()
+        return seqs
+
+    def metrics(self) -> dict:
+        cache = self.scheduler.cache
+        return dict(
+            self.stats,
+            running=len(self.scheduler.running),
+            waiting=len(self.scheduler.waiting),
+            preemptions=self.scheduler.num_preemptions,
+            prefix_cache_queried_tokens=cache.queried_tokens if cache else 0,
+            prefix_cache_hit_tokens=cache.hit_tokens if cache else 0,
+        )

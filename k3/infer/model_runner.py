@@ -1,0 +1,107 @@
+"""Owns the device caches and runs the model on a `StepPlan` (STYLE §3.6: the engine owns the caches).
+
+Pools, allocated once from the engine config:
+* MLA layer l: latents [num_pages * page_size, R + Dr] in the model dtype (a page = page_size rows);
+* KDA layer l: conv_q/k/v [num_slots, C, W-1] (model dtype) and recurrent [num_slots, H, K, V] fp32.
+
+A step first applies the plan's page copies (copy-on-write) and slot restores/resets, then runs one
+forward per group of rows that share (cached length, new tokens): the model decodes with the absorbed
+MLA path and the KDA recurrence when T == 1 and prefills with the chunked paths otherwise.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from k3.infer.config import EngineConfig
+from k3.infer.paged_state import PagedMLAState, page_positions
+from k3.infer.scheduler import StepPlan
+from k3.infer.sequence import Sequence
+from k3.model.state import KDAState
+
+_KDA_FIELDS = ("conv_q", "conv_k", "conv_v", "recurrent")
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, config: EngineConfig):
+        self.model, self.config = model, config
+        mc = model.config
+        p = next(model.parameters())
+        self.device, self.dtype = p.device, model.model.embed_tokens.weight.dtype
+        la, n_slots = mc.linear_attn_config, config.max_num_seqs
+        C, W = la.num_heads * la.head_dim, la.short_conv_kernel_size
+        self.mla: dict[int, torch.Tensor] = {}
+        self.kda: dict[int, dict[str, torch.Tensor]] = {}
+        for i in range(mc.num_hidden_layers):
+            if mc.is_kda_layer(i):
+                conv = lambda: torch.zeros(n_slots, C, W - 1, device=self.device, dtype=self.dtype)
+                rec = torch.zeros(n_slots, la.num_heads, la.head_dim, la.head_dim, device=self.device)
+                self.kda[i] = dict(conv_q=conv(), conv_k=conv(), conv_v=conv(), recurrent=rec)
+            else:
+                width = mc.kv_lora_rank + mc.qk_rope_head_dim
+                rows = config.num_pages * config.page_size
+                self.mla[i] = torch.zeros(rows, width, device=self.device, dtype=self.dtype)
+        self.snapshot_nbytes = sum(
+            t[0].numel() * t.element_size() for d in self.kda.values() for t in d.values()
+        )
+
+    # ---- cache maintenance --------------------------------------------------------------------------
+    def copy_pages(self, pairs: list[tuple[int, int]]) -> None:
+        ps = self.config.page_size
+        for src, dst in pairs:
+            for pool in self.mla.values():
+                pool[dst * ps : (dst + 1) * ps] = pool[src * ps : (src + 1) * ps]
+
+    def snapshot(self, slot: int) -> tuple:
+        """A private copy of every KDA layer's state in `slot` (the snapshot handle)."""
+        return tuple(tuple(d[f][slot].clone() for f in _KDA_FIELDS) for d in self.kda.values())
+
+    def restore(self, slot: int, handle: tuple) -> None:
+        for d, saved in zip(self.kda.values(), handle, strict=True):
+            for f, t in zip(_KDA_FIELDS, saved, strict=True):
+                d[f][slot] = t
+
+    def reset(self, slot: int) -> None:
+        for d in self.kda.values():
+            for t in d.values():
+                t[slot] = 0
+
+    # ---- forward ------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def execute(self, plan: StepPlan) -> list[torch.Tensor]:
+        """-> per plan item, fp32 logits [n, V] for its n fed tokens."""
+        self.copy_pages(plan.copies)
+        for slot, handle in plan.restores:
+            self.restore(slot, handle)
+        for slot in plan.resets:
+            self.reset(slot)
+        groups: dict[tuple[int, int], list[int]] = {}
+        for j, (seq, n) in enumerate(plan.items):
+            groups.setdefault((seq.num_computed, n), []).append(j)
+        out: list[torch.Tensor | None] = [None] * len(plan.items)
+        for (c, n), rows in groups.items():
+            logits = self._forward([plan.items[j][0] for j in rows], c, n)
+            for r, j in enumerate(rows):
+                out[j] = logits[r]
+        return out
+
+    def _forward(self, seqs: list[Sequence], c: int, n: int) -> torch.Tensor:
+        """B sequences with c cached tokens each, feeding n more -> logits [B, n, V] fp32."""
+        ps = self.config.page_size
+        ids = torch.tensor([s.tokens[c : c + n] for s in seqs], device=self.device)
+        write = torch.tensor(
+            sum((page_positions(s.block_table, c, c + n, ps) for s in seqs), []), device=self.device
+        )
+        read = torch.tensor([page_positions(s.block_table, 0, c + n, ps) for s in seqs], device=self.device)
+        slots = torch.tensor([s.slot for s in seqs], device=self.device)
+        state = []
+        for i in range(self.model.config.num_hidden_layers):
+            if i in self.kda:
+                state.append(KDAState(**{f: self.kda[i][f][slots] for f in _KDA_FIELDS}))
+            else:
+                state.append(PagedMLAState(self.mla[i], write, read, c))
+        logits = self.model(ids, state=state).logits.float()
+        for i, d in self.kda.items():
+            for f in _KDA_FIELDS:
+                d[f][slots] = getattr(state[i], f).to(d[f].dtype)
+        return logits
