@@ -1,0 +1,199 @@
+"""Mixture-of-experts maths as pure functions: routing, expert compute, and the router-bias updates.
+
+Letters: T tokens, E routed experts, k experts per token, Dl the width the experts work in (the latent
+width 3584 in Stable LatentMoE, the model width D in plain MoE), I the expert intermediate (3072), m the
+tokens of one optimizer step (all micro-batches).
+
+* `route` — sigmoid scores, top-k *selection* on `score + bias`, combine weights from the *unbiased*
+  scores (renormalized over the chosen k, times `routed_scaling_factor`) (SPEC §3.7 steps 1-3).
+* `experts_naive` / `experts_grouped` — `u_t = Σ_i p_ti · E_i(z_t)` with `E_i(z) = w2_i·GLU(w1_i z, w3_i z)`
+  on stacked weights w1 [E, I, Dl] (gate), w3 [E, I, Dl] (up), w2 [E, Dl, I] (down). The naive one runs
+  every expert on every token and masks (the reference); the grouped one sorts the T·k token-slots by
+  expert and runs each expert once on its contiguous slice. Same signature; both accumulate in fp32.
+* `quantile_balance_bias` — Quantile Balancing (SPEC §4.1), the exact single-process form; see docs/moe.md
+  for the derivation and the rule for a non-integer target load q = m·k/E.
+* `sign_update_bias` — DeepSeek-V3's auxiliary-loss-free sign update, the ablation alternative.
+"""
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from k3.ops.glu import GLUFn
+
+RENORM_EPS = 1e-20  # as in the release: p_i = s_i / (Σ_topk s + 1e-20)
+
+
+# ---- routing ----------------------------------------------------------------------------------------
+def _group_limited_mask(biased_TE: torch.Tensor, num_expert_group: int, topk_group: int) -> torch.Tensor:
+    """DeepSeek-V3 group-limited selection: keep the `topk_group` groups whose two best biased scores sum
+    highest, send the other experts to -inf. [T, E] -> [T, E]."""
+    T, E = biased_TE.shape
+    grouped = biased_TE.view(T, num_expert_group, E // num_expert_group)
+    group_score = grouped.topk(min(2, E // num_expert_group), dim=-1).values.sum(-1)  # [T, G]
+    keep = torch.zeros_like(group_score, dtype=torch.bool)
+    keep.scatter_(1, group_score.topk(topk_group, dim=-1).indices, True)
+    return grouped.masked_fill(~keep[..., None], float("-inf")).view(T, E)
+
+
+def route(
+    logits_TE: torch.Tensor,
+    bias_E: torch.Tensor,
+    top_k: int,
+    renormalize: bool = True,
+    scaling: float = 1.0,
+    num_expert_group: int = 1,
+    topk_group: int = 1,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Sigmoid router with bias-corrected selection (SPEC §3.7 steps 1-3).
+
+    logits_TE [T, E] (fp32; upcast otherwise), bias_E [E] (`e_score_correction_bias`) ->
+    weights_Tk [T, k] fp32, indices_Tk [T, k] int64, scores_TE [T, E] fp32 (= sigmoid(logits)).
+
+    The bias only changes *which* experts are chosen; the weights are the unbiased scores of the chosen
+    experts, divided by their sum (+1e-20) if `renormalize`, times `scaling`. `num_expert_group > 1`
+    adds DeepSeek-V3 group-limited selection (1 = off, as in K3).
+    """
+    if logits_TE.dim() != 2:
+        raise ValueError(f"logits_TE must be [T, E], got shape {tuple(logits_TE.shape)}")
+    E = logits_TE.shape[1]
+    if bias_E.shape != (E,):
+        raise ValueError(f"bias_E must be [{E}], got shape {tuple(bias_E.shape)}")
+    if not 1 <= top_k <= E:
+        raise ValueError(f"top_k must be in [1, {E}], got {top_k}")
+    scores = torch.sigmoid(logits_TE.float())
+    biased = scores.detach() + bias_E.float()
+    if num_expert_group > 1:
+        if E % num_expert_group or not 1 <= topk_group <= num_expert_group:
+            raise ValueError(
+                f"num_expert_group={num_expert_group} must divide E={E} and topk_group="
+                f"{topk_group} must be in [1, num_expert_group]"
+            )
+        if top_k > topk_group * (E // num_expert_group):
+            raise ValueError(f"top_k={top_k} exceeds the experts in topk_group={topk_group} groups")
+        biased = _group_limited_mask(biased, num_expert_group, topk_group)
+    indices = biased.topk(top_k, dim=-1).indices
+    weights = scores.gather(1, indices)
+    if renormalize:
+        weights = weights / (weights.sum(-1, keepdim=True) + RENORM_EPS)
+    return weights * scaling, indices, scores
+
+
+def expert_load(indices_Tk: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Tokens routed to each expert: indices_Tk [T, k] -> counts [E] int64."""
+    return torch.bincount(indices_Tk.reshape(-1), minlength=num_experts)
+
+
+# ---- expert compute ---------------------------------------------------------------------------------
+def _check_experts(z, weights, indices, w1, w2, w3) -> None:
+    if z.dim() != 2:
+        raise ValueError(f"z must be [T, Dl], got shape {tuple(z.shape)}")
+    if weights.shape != indices.shape or weights.dim() != 2 or weights.shape[0] != z.shape[0]:
+        raise ValueError(
+            f"weights {tuple(weights.shape)} and indices {tuple(indices.shape)} must both be "
+            f"[T={z.shape[0]}, k]"
+        )
+    E, I, Dl = w1.shape
+    if Dl != z.shape[1] or w3.shape != w1.shape or w2.shape != (E, Dl, I):
+        raise ValueError(
+            f"expected w1, w3 [E, I, {z.shape[1]}] and w2 [E, Dl, I]; got w1 {tuple(w1.shape)}, "
+            f"w3 {tuple(w3.shape)}, w2 {tuple(w2.shape)}"
+        )
+
+
+def expert_mlp(
+    x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, act: GLUFn
+) -> torch.Tensor:
+    """One expert: x [n, Dl], w1/w3 [I, Dl], w2 [Dl, I] -> w2·act(w1 x, w3 x) [n, Dl] in x's dtype."""
+    return F.linear(act(F.linear(x, w1), F.linear(x, w3)), w2)
+
+
+def experts_naive(z, weights, indices, w1, w2, w3, act: GLUFn) -> torch.Tensor:
+    """Reference: every expert on every token, weighted by p (0 where not chosen).
+
+    z [T, Dl], weights [T, k] fp32, indices [T, k], w1/w3 [E, I, Dl], w2 [E, Dl, I] -> u [T, Dl] in z's
+    dtype; u_t = Σ_i p_ti E_i(z_t), accumulated in fp32.
+    """
+    _check_experts(z, weights, indices, w1, w2, w3)
+    out = torch.zeros(z.shape, dtype=torch.float32, device=z.device)
+    for e in range(w1.shape[0]):
+        p_T = (weights.float() * (indices == e)).sum(-1)  # [T]
+        out = out + p_T[:, None] * expert_mlp(z, w1[e], w2[e], w3[e], act).float()
+    return out.to(z.dtype)
+
+
+def experts_grouped(z, weights, indices, w1, w2, w3, act: GLUFn) -> torch.Tensor:
+    """Fast path, same signature and result as `experts_naive`.
+
+    Sort the T·k token-slots by expert, gather their inputs once, run each expert that received tokens
+    on its contiguous slice, then scatter-add `p · E_i(z)` back to the tokens in fp32. Reading the
+    per-expert counts syncs with the device once per call.
+    """
+    _check_experts(z, weights, indices, w1, w2, w3)
+    T, k = indices.shape
+    flat = indices.reshape(-1)
+    order = torch.argsort(flat, stable=True)  # slot ids grouped by expert
+    token_of_slot = order // k
+    counts = torch.bincount(flat, minlength=w1.shape[0]).tolist()
+    x_sorted = z[token_of_slot]  # [T*k, Dl]
+    outs = [
+        expert_mlp(x, w1[e], w2[e], w3[e], act)
+        for e, x in enumerate(torch.split(x_sorted, counts))
+        if counts[e] > 0
+    ]
+    if not outs:
+        return torch.zeros_like(z)
+    y = torch.cat(outs).float() * weights.reshape(-1)[order].float()[:, None]
+    out = torch.zeros(z.shape, dtype=torch.float32, device=z.device).index_add_(0, token_of_slot, y)
+    return out.to(z.dtype)
+
+
+EXPERT_IMPLS = {"naive": experts_naive, "grouped": experts_grouped}
+
+
+# ---- router-bias updates (no gradient; once per optimizer step) -------------------------------------
+def _rank_value(desc_nE: torch.Tensor, rank: float) -> torch.Tensor:
+    """The value at fractional 0-indexed rank `rank` of columns sorted descending, linearly interpolated."""
+    lo = min(math.floor(rank), desc_nE.shape[0] - 1)
+    hi = min(math.ceil(rank), desc_nE.shape[0] - 1)
+    frac = rank - math.floor(rank)
+    return desc_nE[lo] + frac * (desc_nE[hi] - desc_nE[lo])
+
+
+@torch.no_grad()
+def quantile_balance_bias(scores_mE: torch.Tensor, bias_E: torch.Tensor, top_k: int) -> torch.Tensor:
+    """Quantile Balancing (SPEC §4.1), exact form: scores_mE [m, E] (unbiased sigmoid scores of the step),
+    bias_E [E] (the bias they were routed with), top_k -> new bias [E] fp32 (mean zero).
+
+    c_t = (k+1)-th largest of s_t + b; μ_tj = s_tj - c_t; q = m·k/E; τ_j = the margin of expert j at
+    0-indexed descending rank q, linearly interpolated between ranks ⌊q⌋ and ⌈q⌉ (for integer q: the
+    (q+1)-th largest, so at most q margins exceed it, exactly q unless margins tie there); b̂_j = -τ_j;
+    return b̂ - mean(b̂). Ties are common: a token whose (k+1)-th choice is j has μ_tj = -b_j exactly.
+    """
+    if scores_mE.dim() != 2 or bias_E.shape != (scores_mE.shape[1],):
+        raise ValueError(
+            f"scores_mE must be [m, E] and bias_E [E]; got {tuple(scores_mE.shape)}, {tuple(bias_E.shape)}"
+        )
+    m, E = scores_mE.shape
+    if not 1 <= top_k <= E or m == 0:
+        raise ValueError(f"need m > 0 tokens and top_k in [1, {E}]; got m={m}, top_k={top_k}")
+    if top_k == E:  # every token takes every expert: the bias cannot change anything
+        return torch.zeros(E, dtype=torch.float32, device=scores_mE.device)
+    s = scores_mE.float()
+    cutoff_m = (s + bias_E.float()).topk(top_k + 1, dim=-1).values[:, top_k]
+    margins = s - cutoff_m[:, None]  # [m, E]
+    q = m * top_k / E
+    n = min(math.floor(q) + 2, m)  # the descending ranks 0..⌈q⌉ are enough
+    tau_E = _rank_value(margins.topk(n, dim=0).values, q)
+    b_hat = -tau_E
+    return b_hat - b_hat.mean()
+
+
+@torch.no_grad()
+def sign_update_bias(load_E: torch.Tensor, bias_E: torch.Tensor, rate: float) -> torch.Tensor:
+    """DeepSeek-V3 auxiliary-loss-free update: b + rate·sign(mean(load) - load). [E], [E] -> [E] fp32."""
+    if load_E.shape != bias_E.shape:
+        raise ValueError(f"load_E {tuple(load_E.shape)} and bias_E {tuple(bias_E.shape)} must match")
+    load = load_E.float()
+    return bias_E.float() + rate * torch.sign(load.mean() - load)

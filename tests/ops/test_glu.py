@@ -1,0 +1,62 @@
+"""SiTU-GLU and SwiGLU (SPEC §3.6): bound, β → ∞ limit, dtype handling, finite gradients."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from k3.ops.glu import glu_fn, situ_glu, swiglu
+
+
+def _inputs(n=4096, scale=10.0, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(n, generator=g) * scale).to(dtype), (torch.randn(n, generator=g) * scale).to(dtype)
+
+
+def test_situ_bounded():
+    gate, up = _inputs(scale=10.0)
+    assert situ_glu(gate, up).abs().max() < 4.0 * 25.0
+    # far into saturation fp32 rounding can reach the bound itself, never pass it
+    gate, up = _inputs(scale=1e4)
+    out = situ_glu(gate, up)
+    assert out.abs().max() <= 100.0 and out.abs().max() > 99.0
+    assert situ_glu(gate, up, beta1=2.0, beta2=3.0).abs().max() <= 6.0
+
+
+def test_situ_formula_and_unclipped_sigmoid():
+    gate, up = _inputs(scale=6.0)
+    want = 4.0 * torch.tanh(gate / 4.0) * torch.sigmoid(gate) * 25.0 * torch.tanh(up / 25.0)
+    torch.testing.assert_close(situ_glu(gate, up), want)
+    # σ takes the un-clipped g: at g = 8, σ(8) differs from σ(4·tanh(2)) by ~1.6e-2
+    g, u = torch.tensor([8.0]), torch.tensor([1.0])
+    wrong = 4 * torch.tanh(g / 4) * torch.sigmoid(4 * torch.tanh(g / 4)) * 25 * torch.tanh(u / 25)
+    assert (situ_glu(g, u) - wrong).abs().item() > 1e-2
+
+
+def test_situ_tends_to_swiglu():
+    gate, up = _inputs(scale=3.0)
+    ref = F.silu(gate) * up
+    errs = [(situ_glu(gate, up, beta, beta) - ref).abs().max().item() for beta in (10.0, 100.0, 1e4)]
+    assert errs[0] > errs[1] > errs[2] and errs[2] < 1e-4
+    torch.testing.assert_close(swiglu(gate, up), ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=lambda d: str(d).split(".")[-1])
+def test_situ_dtype_and_grad(dtype):
+    gate, up = _inputs(scale=50.0, dtype=dtype)
+    gate.requires_grad_(True)
+    up.requires_grad_(True)
+    out = situ_glu(gate, up)
+    assert out.dtype == dtype
+    ref = situ_glu(gate.detach().float(), up.detach().float()).to(dtype)
+    assert torch.equal(out.detach(), ref)  # computed in fp32, then one rounding
+    out.float().pow(2).sum().backward()
+    assert torch.isfinite(gate.grad).all() and torch.isfinite(up.grad).all()
+    assert gate.grad.abs().sum() > 0 and up.grad.abs().sum() > 0
+
+
+def test_glu_fn():
+    gate, up = _inputs(scale=3.0)
+    torch.testing.assert_close(glu_fn("situ", 2.0, 5.0)(gate, up), situ_glu(gate, up, 2.0, 5.0))
+    torch.testing.assert_close(glu_fn("silu")(gate, up), swiglu(gate, up))
+    with pytest.raises(ValueError, match="hidden_act"):
+        glu_fn("gelu")
