@@ -1,0 +1,174 @@
+"""Kimi Delta Attention (KDA), the linear-attention token mixer of 69 of K3's 93 layers (SPEC §3.4).
+
+Paper: "Kimi Linear: An Expressive, Efficient Attention Architecture" (arXiv 2510.26692), §3-4.
+Per token x [D] (the normed AttnRes output), H heads, K = V = head_dim:
+
+    q, k, v = SiLU(ShortConv_{q,k,v}(x W_{q,k,v}^T))            depthwise causal conv, kernel 4, fp32 weights
+    q, k   <- q / ||q||, k / ||k||  (eps 1e-6, per head);  q <- q * K^-1/2      (inside the KDA op)
+    beta    = sigmoid(x W_b^T)                       [H]      write strength, fp32
+    g       = gate(x W_fa^T W_fb^T)                  [H, K]   log-decay (k3.ops.gate: safe gate in (-5, 0))
+    S_t     = (I - beta_t k_t k_t^T) Diag(exp(g_t)) S_{t-1} + beta_t k_t v_t^T,   o_t = S_t^T q_t
+    y       = o_proj( RMSNorm_{o_norm}(o_t,h) * sigmoid(x W_g^T)_h )  per head, normalize-then-gate
+
+Parameter names are the checkpoint's (SPEC §2.2-2.3). Prefill/training use the chunk-parallel kernel
+(`chunk_kda`); a call with a state and at most `RECURRENT_MAX_T` tokens per row (decode) uses the
+token-by-token recurrence (`recurrent_kda`).
+
+Inference state: the caller passes a `KDAState` (k3.model.state); the layer reads the conv histories and the
+recurrent state from it and writes the new ones back. With `cu_seqlens` the batch is a set of packed
+documents: the input is flattened to one row so that neither the convs nor the recurrence cross a document
+boundary, and state tensors are per document ([N, ...]).
+
+Parameters per layer at K3 size: 4 x 12288 x 7168 (q, k, v, g) + 12288 x 7168 (o) + 128 x 7168 + 12288 x 128
+(f_a, f_b) + 96 x 7168 (b) + 3 x 12288 x 4 (convs) + 12288 (dt_bias) + 96 (A_log) + 128 (o_norm)
+= 443,740,384 (SPEC §7.2; the checkpoint pads A_log to 128 entries).
+"""
+
+import math
+
+import torch
+from torch import nn
+
+from k3.config import K3Config
+from k3.model.layers import Linear
+from k3.model.state import KDAState
+from k3.ops.conv import causal_conv1d, causal_conv1d_update
+from k3.ops.gate import kda_gate
+from k3.ops.gated_norm import gated_rms_norm
+from k3.ops.kda import chunk_kda, recurrent_kda
+
+RECURRENT_MAX_T = 64  # with a state, rows this short run the recurrence instead of the chunked kernel
+
+
+class ShortConv(nn.Module):
+    """Depthwise causal conv + SiLU with an fp32 `weight` [C, 1, W] (state_dict key `<name>.weight`)."""
+
+    def __init__(self, channels: int, kernel_size: int, device=None):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(channels, 1, kernel_size, device=device, dtype=torch.float32))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Uniform(+-1/sqrt(W)): kaiming-uniform(a=sqrt(5)) with fan_in = W, as torch's Conv1d default."""
+        if self.weight.is_meta:
+            return
+        bound = 1.0 / math.sqrt(self.weight.shape[-1])
+        nn.init.uniform_(self.weight, -bound, bound)
+
+    def forward(
+        self, u: torch.Tensor, state: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """u [B, T, C], state [B (or N), C, W-1] | None -> (y [B, T, C], new_state [B (or N), C, W-1])."""
+        if u.shape[1] == 1 and state is not None and cu_seqlens is None:
+            return causal_conv1d_update(u, self.weight, state)
+        return causal_conv1d(u, self.weight, state, cu_seqlens)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, kernel_size={self.weight.shape[-1]}"
+
+
+class GatedRMSNorm(nn.Module):
+    """Per-head RMSNorm with an fp32 `weight` [V] shared by heads, then * sigmoid(gate)."""
+
+    def __init__(self, dim: int, eps: float, device=None):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=torch.float32))
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+    def forward(self, o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        """o, gate [..., V] -> [..., V] in o's dtype."""
+        return gated_rms_norm(o, gate, self.weight, self.eps)
+
+
+def _check_cu_seqlens(cu_seqlens: torch.Tensor, B: int, T: int) -> torch.Tensor:
+    """cu_seqlens [N+1] over the flattened B*T tokens; every row boundary must be a document boundary."""
+    if cu_seqlens.dim() != 1 or cu_seqlens.dtype not in (torch.int32, torch.int64):
+        raise ValueError(
+            f"cu_seqlens must be a 1-D integer tensor, got {cu_seqlens.dtype} {tuple(cu_seqlens.shape)}"
+        )
+    rows = torch.arange(0, B * T + 1, T, device=cu_seqlens.device, dtype=cu_seqlens.dtype)
+    if not bool(torch.isin(rows, cu_seqlens).all()):
+        raise ValueError(f"cu_seqlens must contain every row boundary (multiples of T={T} up to {B * T})")
+    return cu_seqlens
+
+
+class KimiDeltaAttention(nn.Module):
+    """KDA token mixer for decoder layer `layer_idx`: x [B, T, D] -> [B, T, D]."""
+
+    def __init__(self, config: K3Config, layer_idx: int, device=None, dtype=None):
+        super().__init__()
+        la = config.linear_attn_config
+        self.layer_idx = layer_idx
+        self.num_heads, self.head_dim = H, K = la.num_heads, la.head_dim
+        self.lower_bound = la.gate_lower_bound
+        D, W, HK = config.hidden_size, la.short_conv_kernel_size, la.num_heads * la.head_dim
+        lin = lambda i, o: Linear(i, o, device=device, dtype=dtype)
+        self.q_proj, self.k_proj, self.v_proj = lin(D, HK), lin(D, HK), lin(D, HK)
+        self.q_conv1d, self.k_conv1d, self.v_conv1d = (ShortConv(HK, W, device) for _ in range(3))
+        self.f_a_proj, self.f_b_proj = lin(D, K), lin(K, HK)
+        self.dt_bias = nn.Parameter(torch.empty(HK, device=device, dtype=torch.float32))
+        self.A_log = nn.Parameter(torch.empty(H, device=device, dtype=torch.float32))
+        self.b_proj = lin(D, H)
+        if la.use_full_rank_gate:
+            self.g_proj = lin(D, HK)
+        else:  # Kimi-Linear's low-rank output gate
+            self.g_a_proj, self.g_b_proj = lin(D, K), lin(K, HK)
+        self.o_norm = GatedRMSNorm(K, config.rms_norm_eps, device)
+        self.o_proj = lin(HK, D)
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """K3 init of the parameters this module owns directly (Linear weights are the model init's job):
+
+        A_log    log(U(1, 16)) per head                      (decay rates spread over ~[1, 16])
+        dt_bias  softplus^-1(dt), dt = exp(U(log 1e-3, log 0.1)) clamped >= 1e-4   (Mamba's dt init)
+        convs    U(+-1/sqrt(W));  o_norm  ones
+        A no-op on the meta device (materialize with `to_empty`, then call it).
+        """
+        if self.A_log.is_meta:
+            return
+        self.A_log.copy_(torch.empty_like(self.A_log).uniform_(1.0, 16.0).log())
+        dt = torch.exp(torch.empty_like(self.dt_bias).uniform_(math.log(1e-3), math.log(1e-1))).clamp_min(
+            1e-4
+        )
+        self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # inverse of softplus
+        for conv in (self.q_conv1d, self.k_conv1d, self.v_conv1d):
+            conv.reset_parameters()
+        self.o_norm.reset_parameters()
+
+    def _output_gate(self, x: torch.Tensor) -> torch.Tensor:
+        return self.g_proj(x) if hasattr(self, "g_proj") else self.g_b_proj(self.g_a_proj(x))
+
+    def forward(
+        self, x: torch.Tensor, state: KDAState | None = None, cu_seqlens: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """x [B, T, D]; state: read and updated in place (per row, or per document with cu_seqlens);
+        cu_seqlens [N+1] document offsets over the flattened B*T tokens -> y [B, T, D]."""
+        B, T, D = x.shape
+        H, K = self.num_heads, self.head_dim
+        if cu_seqlens is not None:
+            cu_seqlens = _check_cu_seqlens(cu_seqlens, B, T)
+            x = x.reshape(1, B * T, D)
+        b, t = x.shape[:2]
+        st = state if state is not None else KDAState()
+        q, conv_q = self.q_conv1d(self.q_proj(x), st.conv_q, cu_seqlens)
+        k, conv_k = self.k_conv1d(self.k_proj(x), st.conv_k, cu_seqlens)
+        v, conv_v = self.v_conv1d(self.v_proj(x), st.conv_v, cu_seqlens)
+        g = kda_gate(
+            self.f_b_proj(self.f_a_proj(x)).view(b, t, H, K), self.A_log, self.dt_bias, self.lower_bound
+        )
+        beta = torch.sigmoid(self.b_proj(x).float())  # [b, t, H]
+        op = recurrent_kda if state is not None and T <= RECURRENT_MAX_T else chunk_kda
+        o, recurrent = op(
+            q.view(b, t, H, K), k.view(b, t, H, K), v.view(b, t, H, K), g, beta,
+            initial_state=st.recurrent, output_final_state=state is not None, use_qk_l2norm=True,
+            cu_seqlens=cu_seqlens,
+        )  # fmt: skip
+        if state is not None:
+            state.conv_q, state.conv_k, state.conv_v, state.recurrent = conv_q, conv_k, conv_v, recurrent
+        o = self.o_norm(o, self._output_gate(x).view(b, t, H, K))
+        return self.o_proj(o.reshape(B, T, H * K))

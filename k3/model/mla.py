@@ -1,0 +1,135 @@
+"""Gated multi-head latent attention (MLA) with NoPE, the full-attention mixer of 24 K3 layers (SPEC §3.5).
+
+MLA: DeepSeek-V2 (arXiv 2405.04434) §2.1; NoPE MLA and the output gate: Kimi Linear (arXiv 2510.26692) §4.
+x [B, T, D] is the normed AttnRes output; H heads, Dn/Dr/Dv = qk_nope/qk_rope/v head dims, R = kv_lora_rank:
+
+    q                  = W_qb RMSNorm_{q_a_layernorm}(W_qa x)         [H, Dn+Dr] -> q_nope | q_pe
+    c_kv | k_pe        = W_kva x                                      [R + Dr], k_pe shared by all heads
+    latent             = RMSNorm_{kv_a_layernorm}(c_kv) | k_pe        what the cache stores per token
+    k_nope | v         = W_kvb RMSNorm(c_kv)                          [H, Dn+Dv]
+    o                  = softmax(scale * (q_nope.k_nope + q_pe.k_pe), causal) v,   scale = (Dn+Dr)^-1/2
+    y                  = o_proj(o * sigmoid(g_proj(x)))               output gate from the layer input
+
+K3 applies no rotation (`mla_use_nope`): the Dr "rope" dims are plain extra dot-product dims and position
+comes only from the KDA layers. `mla_use_nope=False` is the K2-style ablation: q_pe and k_pe are rotated
+(k3.ops.rope) by the token's position (within its document when `doc_ids` is given, else the cache offset
+plus arange(T), or explicit `positions`). Latent norm eps is `config.latent_norm_eps` (SPEC §8.2).
+
+Two equal attention paths (k3.ops.mla): naive (materialized per-head K/V; training, prefill) and absorbed
+(W_UK folded into the query, W_UV into the output, attending over the latent; decode). Default: absorbed
+when a state is given and T == 1; `absorb` forces either. With an `MLAState`, the new latents are appended
+and the queries attend causally over cache + new tokens.
+"""
+
+import torch
+from torch import nn
+
+from k3.config import K3Config
+from k3.model.layers import Linear, RMSNorm
+from k3.model.state import MLAState
+from k3.ops.mla import causal_mask, mla_attention_absorbed, mla_attention_naive, split_kv_b
+from k3.ops.rope import apply_rope
+
+
+def doc_positions(doc_ids: torch.Tensor) -> torch.Tensor:
+    """doc_ids [B, T] (documents contiguous within a row) -> each token's position in its document [B, T]."""
+    T = doc_ids.shape[1]
+    idx = torch.arange(T, device=doc_ids.device).expand_as(doc_ids)
+    start = torch.ones_like(doc_ids, dtype=torch.bool)
+    start[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+    return idx - torch.where(start, idx, 0).cummax(dim=1).values
+
+
+class MLAAttention(nn.Module):
+    """Gated MLA token mixer for decoder layer `layer_idx`: x [B, T, D] -> [B, T, D]."""
+
+    def __init__(self, config: K3Config, layer_idx: int, device=None, dtype=None):
+        super().__init__()
+        self.layer_idx = layer_idx
+        D, H = config.hidden_size, config.num_attention_heads
+        self.num_heads, self.kv_lora_rank = H, config.kv_lora_rank
+        self.nope_dim, self.rope_dim, self.v_dim = (
+            config.qk_nope_head_dim,
+            config.qk_rope_head_dim,
+            config.v_head_dim,
+        )
+        self.scale = config.qk_head_dim**-0.5
+        self.use_rope, self.rope_theta = not config.mla_use_nope, config.rope_theta
+        eps = config.latent_norm_eps
+        lin = lambda i, o: Linear(i, o, device=device, dtype=dtype)
+        if config.q_lora_rank is not None:
+            self.q_a_proj = lin(D, config.q_lora_rank)
+            self.q_a_layernorm = RMSNorm(config.q_lora_rank, eps, device=device, dtype=dtype)
+            self.q_b_proj = lin(config.q_lora_rank, H * config.qk_head_dim)
+        else:
+            self.q_proj = lin(D, H * config.qk_head_dim)
+        self.kv_a_proj_with_mqa = lin(D, self.kv_lora_rank + self.rope_dim)
+        self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, eps, device=device, dtype=dtype)
+        self.kv_b_proj = lin(self.kv_lora_rank, H * (self.nope_dim + self.v_dim))
+        self.g_proj = lin(D, H * self.v_dim) if config.mla_use_output_gate else None
+        self.o_proj = lin(H * self.v_dim, D)
+
+    def _queries(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [B, T, D] -> q_nope [B, T, H, Dn], q_pe [B, T, H, Dr] (un-rotated)."""
+        q = (
+            self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+            if hasattr(self, "q_a_proj")
+            else self.q_proj(x)
+        )
+        q = q.view(*x.shape[:2], self.num_heads, self.nope_dim + self.rope_dim)
+        return q.split([self.nope_dim, self.rope_dim], dim=-1)
+
+    def _latents(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [B, T, D] -> normed c_kv [B, T, R], k_pe [B, T, Dr] (un-rotated)."""
+        c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        return self.kv_a_layernorm(c_kv), k_pe
+
+    def _positions(self, x: torch.Tensor, offset: int, doc_ids, positions) -> torch.Tensor:
+        """RoPE positions [B or 1, T]: explicit, within-document, or offset + arange(T)."""
+        if positions is not None:
+            return positions if positions.dim() == 2 else positions[None]
+        if doc_ids is not None:
+            return doc_positions(doc_ids)
+        return torch.arange(offset, offset + x.shape[1], device=x.device)[None]
+
+    def _attend(self, q_nope, q_pe, latent, mask, absorb: bool) -> torch.Tensor:
+        """Queries [B, T, H, *] over latents [B, S, R+Dr] -> o [B, T, H, Dv]."""
+        c_kv, k_pe = latent.split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        if absorb:
+            w_uk, w_uv = split_kv_b(self.kv_b_proj.weight, self.num_heads, self.nope_dim, self.v_dim)
+            return mla_attention_absorbed(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, self.scale, mask)
+        kv = self.kv_b_proj(c_kv).view(*c_kv.shape[:2], self.num_heads, self.nope_dim + self.v_dim)
+        k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
+        return mla_attention_naive(q_nope, q_pe, k_nope, k_pe, v, self.scale, mask)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        state: MLAState | None = None,
+        doc_ids: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
+        absorb: bool | None = None,
+    ) -> torch.Tensor:
+        """x [B, T, D]; state: the latent cache, appended to in place; doc_ids [B, T]: block-diagonal
+        attention over packed documents (no state); positions [T] or [B, T]: RoPE positions (ablation only)
+        -> y [B, T, D]."""
+        B, T, _ = x.shape
+        if doc_ids is not None and (state is not None or doc_ids.shape != (B, T)):
+            raise ValueError(f"doc_ids must be [B, T]=[{B}, {T}] and cannot be combined with a state")
+        offset = 0 if state is None else state.length
+        q_nope, q_pe = self._queries(x)
+        c_kv, k_pe = self._latents(x)
+        if self.use_rope:
+            pos = self._positions(x, offset, doc_ids, positions)
+            q_pe = apply_rope(q_pe.transpose(1, 2), pos[:, None], self.rope_theta).transpose(1, 2)
+            k_pe = apply_rope(k_pe, pos, self.rope_theta)
+        latent = torch.cat([c_kv, k_pe], dim=-1)  # [B, T, R+Dr]
+        if state is not None:
+            latent = state.append(latent)
+        S = latent.shape[1]
+        mask = None if T == 1 and doc_ids is None else causal_mask(T, S, x.device, doc_ids, doc_ids)
+        absorb = (state is not None and T == 1) if absorb is None else absorb
+        o = self._attend(q_nope, q_pe, latent, mask, absorb).reshape(B, T, -1)
+        if self.g_proj is not None:
+            o = (o.float() * torch.sigmoid(self.g_proj(x).float())).to(o.dtype)
+        return self.o_proj(o)

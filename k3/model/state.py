@@ -1,0 +1,98 @@
+"""Per-layer inference state, owned by the caller and passed into the layers (STYLE §3.6).
+
+Nothing here is a module buffer: a layer receives its state object, reads the history from it and writes
+the updated history back into it (attribute assignment / `append`). The engine can substitute paged or
+prefix-cached variants with the same duck-typed interface.
+
+Interface a layer relies on (B = sequences in the batch; with packed documents, i.e. `cu_seqlens` given to
+a KDA layer, B is the number of documents N):
+
+KDA layer (`KDAState`), C_q = C_k = H*K, C_v = H*V, W = short_conv_kernel_size:
+    reads   conv_q, conv_k, conv_v   [B, C, W-1] model dtype, last W-1 pre-conv inputs; None = no history
+            recurrent                [B, H, K, V] fp32 delta-rule state S;              None = zeros
+    writes  the same four attributes after the call (new tensors; the old ones are not modified in place)
+
+MLA layer (`MLAState`), R = kv_lora_rank, Dr = qk_rope_head_dim:
+    reads   length                   int, tokens already cached (the causal offset of the new queries)
+    calls   append(new [B, T, R+Dr]) -> all latents [B, S, R+Dr], S = length + T; each latent row is
+            [RMSNorm(c_kv) | k_pe] (k_pe rotated only in the RoPE ablation)
+
+All sequences of a batch share one length here (dense layout); ragged batches are the paged engine's job.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from k3.config import K3Config
+
+
+@dataclass
+class KDAState:
+    """Conv histories [B, C, W-1] (model dtype) and recurrent state [B, H, K, V] (fp32); None = empty."""
+
+    conv_q: torch.Tensor | None = None
+    conv_k: torch.Tensor | None = None
+    conv_v: torch.Tensor | None = None
+    recurrent: torch.Tensor | None = None
+
+    @classmethod
+    def zeros(cls, config: K3Config, batch_size: int, device=None, dtype=torch.bfloat16) -> KDAState:
+        """An allocated all-zero state (equivalent to the empty one)."""
+        la = config.linear_attn_config
+        C, W = la.num_heads * la.head_dim, la.short_conv_kernel_size
+        conv = lambda: torch.zeros(batch_size, C, W - 1, device=device, dtype=dtype)
+        rec = torch.zeros(
+            batch_size, la.num_heads, la.head_dim, la.head_dim, device=device, dtype=torch.float32
+        )
+        return cls(conv_q=conv(), conv_k=conv(), conv_v=conv(), recurrent=rec)
+
+
+@dataclass
+class MLAState:
+    """Cached latents [B, S, kv_lora_rank + qk_rope_head_dim] = [RMSNorm(c_kv) | k_pe] per token."""
+
+    latent: torch.Tensor | None = None
+
+    @property
+    def length(self) -> int:
+        return 0 if self.latent is None else self.latent.shape[1]
+
+    def append(self, new: torch.Tensor) -> torch.Tensor:
+        """new [B, T, R+Dr] -> the whole cache [B, S, R+Dr] after appending (S = length + T)."""
+        if self.latent is not None and (
+            new.shape[0] != self.latent.shape[0] or new.shape[2] != self.latent.shape[2]
+        ):
+            raise ValueError(
+                f"new latents {tuple(new.shape)} do not match the cache {tuple(self.latent.shape)}"
+            )
+        self.latent = (
+            new if self.latent is None else torch.cat([self.latent, new.to(self.latent.dtype)], dim=1)
+        )
+        return self.latent
+
+    @classmethod
+    def zeros(cls, config: K3Config, batch_size: int, device=None, dtype=torch.bfloat16) -> MLAState:
+        """An allocated empty cache [B, 0, R+Dr]."""
+        width = config.kv_lora_rank + config.qk_rope_head_dim
+        return cls(latent=torch.zeros(batch_size, 0, width, device=device, dtype=dtype))
+
+
+class ModelState(list):
+    """One state per decoder layer (KDAState or MLAState, by `config.is_kda_layer`)."""
+
+    @classmethod
+    def empty(cls, config: K3Config, batch_size: int | None = None, device=None, dtype=None) -> ModelState:
+        """Lazy empty states (tensors None, filled by the first prefill), or zero-allocated ones when
+        `batch_size` is given (dtype defaults to config.dtype)."""
+        if batch_size is None:
+            return cls(
+                KDAState() if config.is_kda_layer(i) else MLAState() for i in range(config.num_hidden_layers)
+            )
+        dtype = dtype or getattr(torch, config.dtype)
+        return cls(
+            (KDAState if config.is_kda_layer(i) else MLAState).zeros(config, batch_size, device, dtype)
+            for i in range(config.num_hidden_layers)
+        )

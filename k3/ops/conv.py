@@ -1,0 +1,131 @@
+"""Depthwise causal short convolution + SiLU, the token-shift in front of KDA's q, k, v (SPEC §3.4).
+
+Shapes: B batch, T tokens, C channels (= H*K or H*V), W kernel width (4), N documents.
+
+    y[t, c] = SiLU( sum_{j=0..W-1} weight[c, 0, j] * u[t - W + 1 + j, c] )
+
+Index W-1 multiplies the current token, there is no bias, and positions before the start of the sequence
+(or of the document, with `cu_seqlens`) read the conv state: zeros, or the `initial_state` [.., C, W-1]
+holding the last W-1 *pre-conv* inputs of the history (oldest first). The final state returned is the
+same thing after this call, so prefill -> decode and chunked prefill chain exactly.
+
+The math runs in fp32 (the weights are fp32 in the checkpoint); y is cast back to u's dtype and the
+state is kept in u's dtype (the model dtype).
+
+`causal_conv1d` (F.conv1d over the history-padded sequence; packed documents are separated by their own
+W-1 history columns so nothing crosses a boundary) and `causal_conv1d_update` (one decode step) are the
+fast paths; `causal_conv1d_ref` is the plain per-token loop with the same signature that tests compare to.
+"""
+
+import torch
+import torch.nn.functional as F
+
+
+def _check(u: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor | None) -> tuple[int, int, int]:
+    if u.dim() != 3:
+        raise ValueError(f"u must be [B, T, C], got shape {tuple(u.shape)}")
+    B, T, C = u.shape
+    if weight.dim() != 3 or weight.shape[0] != C or weight.shape[1] != 1:
+        raise ValueError(f"weight must be [C, 1, W] with C={C}, got shape {tuple(weight.shape)}")
+    if cu_seqlens is not None:
+        if B != 1:
+            raise ValueError(f"cu_seqlens needs u with B=1 (packed documents), got B={B}")
+        if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or cu_seqlens[0] != 0 or cu_seqlens[-1] != T:
+            raise ValueError(f"cu_seqlens must be [N+1] from 0 to T={T}, got {cu_seqlens.tolist()}")
+        if bool((cu_seqlens[1:] < cu_seqlens[:-1]).any()):
+            raise ValueError(f"cu_seqlens must be non-decreasing, got {cu_seqlens.tolist()}")
+    return B, T, C
+
+
+def _history(initial_state: torch.Tensor | None, n: int, u: torch.Tensor, W: int) -> torch.Tensor:
+    """The conv history [n, C, W-1] in u's dtype (zeros when there is no initial state)."""
+    C = u.shape[-1]
+    if initial_state is None:
+        return u.new_zeros(n, C, W - 1)
+    if initial_state.shape != (n, C, W - 1):
+        raise ValueError(f"initial_state must be [{n}, {C}, {W - 1}], got shape {tuple(initial_state.shape)}")
+    return initial_state.to(u.dtype)
+
+
+def _conv_silu(x_BCL: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """Valid (unpadded) depthwise conv over x [B, C, L] -> SiLU -> [B, L-W+1, C] in out_dtype."""
+    y = F.conv1d(x_BCL.float(), weight.float(), groups=weight.shape[0])
+    return F.silu(y).transpose(1, 2).to(out_dtype)
+
+
+def causal_conv1d(
+    u: torch.Tensor,
+    weight: torch.Tensor,
+    initial_state: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """u [B, T, C], weight [C, 1, W], initial_state [B, C, W-1] (or [N, C, W-1] with cu_seqlens [N+1], B=1)
+    -> (y [B, T, C], final_state [B or N, C, W-1]): the last W-1 pre-conv inputs of each sequence."""
+    B, T, C = _check(u, weight, cu_seqlens)
+    W = weight.shape[-1]
+    if cu_seqlens is None:
+        x = torch.cat([_history(initial_state, B, u, W), u.transpose(1, 2)], dim=2)  # [B, C, W-1+T]
+        return _conv_silu(x, weight, u.dtype), x[:, :, x.shape[2] - (W - 1) :]
+    # Packed documents: give every document its own W-1 history columns in one padded sequence.
+    N = cu_seqlens.numel() - 1
+    lens = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+    doc = torch.repeat_interleave(torch.arange(N, device=u.device), lens, output_size=T)
+    tok_col = torch.arange(T, device=u.device) + (W - 1) * (doc + 1)  # column of each token in x
+    hist_col = (cu_seqlens[:-1].long() + (W - 1) * torch.arange(N, device=u.device))[:, None] + torch.arange(
+        W - 1, device=u.device
+    )  # [N, W-1]
+    x = u.new_zeros(C, T + N * (W - 1))
+    x = x.index_copy(1, tok_col, u[0].transpose(0, 1))
+    x = x.index_copy(1, hist_col.reshape(-1), _history(initial_state, N, u, W).transpose(0, 1).reshape(C, -1))
+    y_all = _conv_silu(x[None], weight, u.dtype)  # output i sees columns i .. i+W-1
+    y = y_all[:, tok_col - (W - 1)]
+    end_col = (cu_seqlens[1:].long() + (W - 1) * torch.arange(1, N + 1, device=u.device))[:, None]
+    final = x[:, end_col - (W - 1) + torch.arange(W - 1, device=u.device)]  # [C, N, W-1]
+    return y, final.permute(1, 0, 2)
+
+
+def causal_conv1d_update(
+    u: torch.Tensor, weight: torch.Tensor, state: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One decode step: u [B, 1, C] or [B, C], weight [C, 1, W], state [B, C, W-1]
+    -> (y shaped like u, new_state [B, C, W-1])."""
+    x_u = u[:, 0] if u.dim() == 3 else u
+    if u.dim() == 3 and u.shape[1] != 1:
+        raise ValueError(f"u must be [B, 1, C] or [B, C] for a decode step, got shape {tuple(u.shape)}")
+    B, C = x_u.shape
+    W = weight.shape[-1]
+    if weight.shape != (C, 1, W):
+        raise ValueError(f"weight must be [C, 1, W] with C={C}, got shape {tuple(weight.shape)}")
+    if state.shape != (B, C, W - 1):
+        raise ValueError(f"state must be [{B}, {C}, {W - 1}], got shape {tuple(state.shape)}")
+    x = torch.cat([state.to(u.dtype), x_u[:, :, None]], dim=2)  # [B, C, W]
+    y = F.silu((x.float() * weight[:, 0].float()).sum(-1)).to(u.dtype)
+    return y.view_as(u), x[:, :, 1:]
+
+
+def causal_conv1d_ref(
+    u: torch.Tensor,
+    weight: torch.Tensor,
+    initial_state: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain per-token reference of `causal_conv1d` (same signature and results)."""
+    B, T, C = _check(u, weight, cu_seqlens)
+    W = weight.shape[-1]
+    bounds = (
+        [(0, T)] * B
+        if cu_seqlens is None
+        else list(zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist(), strict=True))
+    )
+    hist = _history(initial_state, len(bounds), u, W).float()
+    w = weight[:, 0].float()  # [C, W]
+    y = torch.zeros(B, T, C, dtype=torch.float32, device=u.device)
+    finals = []
+    for n, (start, end) in enumerate(bounds):
+        b = n if cu_seqlens is None else 0
+        seq = torch.cat([hist[n].transpose(0, 1), u[b, start:end].float()], dim=0)  # [W-1+L, C]
+        for t in range(end - start):
+            for j in range(W):
+                y[b, start + t] += w[:, j] * seq[t + j]
+        finals.append(seq[seq.shape[0] - (W - 1) :].transpose(0, 1))
+    return F.silu(y).to(u.dtype), torch.stack(finals).to(u.dtype)
