@@ -1,0 +1,70 @@
+"""The `k3` command line: `k3 <command> [args]`.
+
+Each command lives in its own module, imported only when that command runs, so `k3 --help` is fast and
+importing this file pulls in no torch. A command module provides
+
+    add_arguments(parser: argparse.ArgumentParser) -> None     # its options; may set parser.description
+    run(args: argparse.Namespace) -> int | None                # does the work; returns the exit code
+
+and is registered with one line in COMMANDS below. A ValueError raised by a command is a user error: it
+prints `k3: error: <message>` to stderr and exits with code 2 (argparse's code for usage errors), without
+a traceback.
+"""
+
+import argparse
+import importlib
+import sys
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Command:
+    name: str
+    module: str  # provides add_arguments(parser) and run(args)
+    help: str
+
+
+COMMANDS: tuple[Command, ...] = (
+    Command("params", "k3.params", "count total and active parameters of a config, by component"),
+)
+
+
+def _top_parser() -> argparse.ArgumentParser:
+    from k3 import __version__
+
+    parser = argparse.ArgumentParser(prog="k3", description="Kimi K3 in PyTorch.", allow_abbrev=False)
+    parser.add_argument("--version", action="version", version=f"k3 {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for cmd in COMMANDS:  # the command's own arguments are parsed later, by its module's parser
+        sub.add_parser(cmd.name, help=cmd.help, add_help=False)
+    return parser
+
+
+def _command_parser(cmd: Command):
+    """(parser, module) for one command; imports the command's module."""
+    module = importlib.import_module(cmd.module)
+    parser = argparse.ArgumentParser(prog=f"k3 {cmd.name}", description=cmd.help, allow_abbrev=False)
+    module.add_arguments(parser)
+    return parser, module
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the `k3` console script; returns the exit code."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        top, rest = _top_parser().parse_known_args(argv)
+        cmd = next(c for c in COMMANDS if c.name == top.command)
+        parser, module = _command_parser(cmd)
+        args = parser.parse_args(rest)
+        try:
+            code = module.run(args)
+        except ValueError as e:
+            print(f"k3: error: {e}", file=sys.stderr)
+            return 2
+        return 0 if code is None else int(code)
+    except SystemExit as e:  # argparse: --help, --version, usage errors
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
