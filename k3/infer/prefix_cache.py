@@ -75,6 +75,7 @@ class PrefixCache:
         self.snaps: OrderedDict[int, Snapshot] = OrderedDict()
         self.snapshot_bytes = 0
         self.queried_tokens = self.hit_tokens = 0  # counted by the scheduler on admission
+        self.evicted_pages = self.evicted_snapshots = 0
 
     # ---- lookup -------------------------------------------------------------------------------------
     def lookup(self, hashes: list[int], num_tokens: int) -> Hit:
@@ -127,15 +128,18 @@ class PrefixCache:
     # ---- eviction -----------------------------------------------------------------------------------
     def _drop_snapshot(self, h: int) -> None:
         self.snapshot_bytes -= self.snaps.pop(h).nbytes
+        self.evicted_snapshots += 1
 
     def evict_page(self) -> bool:
         """Free one page by dropping LRU MLA entries (those no sequence uses first). False if none."""
         for h, page in self.mla.items():
             if self.pool.refcount[page] == 1:
                 self._drop_mla(h)
+                self.evicted_pages += 1
                 return True
         while self.mla:
             if self._drop_mla(next(iter(self.mla))):
+                self.evicted_pages += 1
                 return True
         return False
 
