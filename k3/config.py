@@ -43,8 +43,11 @@ def _check(cond: bool, key: str, msg: str) -> None:
 
 
 def _positive_int(value: Any, key: str) -> None:
-    _check(isinstance(value, int) and not isinstance(value, bool) and value > 0, key,
-           f"must be a positive integer, got {value!r}")
+    _check(
+        isinstance(value, int) and not isinstance(value, bool) and value > 0,
+        key,
+        f"must be a positive integer, got {value!r}",
+    )
 
 
 @dataclass(frozen=True)
@@ -66,13 +69,22 @@ class LinearAttnConfig:
         _positive_int(self.head_dim, p + "head_dim")
         _positive_int(self.short_conv_kernel_size, p + "short_conv_kernel_size")
         if self.gate_lower_bound is not None:
-            _check(-5.0 <= self.gate_lower_bound < 0, p + "gate_lower_bound",
-                   f"must be in [-5, 0) or null, got {self.gate_lower_bound!r}")
+            _check(
+                -5.0 <= self.gate_lower_bound < 0,
+                p + "gate_lower_bound",
+                f"must be in [-5, 0) or null, got {self.gate_lower_bound!r}",
+            )
         full, kda = set(self.full_attn_layers), set(self.kda_layers)
-        _check(not (full & kda), p + "full_attn_layers",
-               f"layers {sorted(full & kda)} are listed as both KDA and full attention")
-        _check(full | kda == set(range(1, num_layers + 1)), p + "kda_layers",
-               f"kda_layers + full_attn_layers must cover layers 1..{num_layers} (1-indexed) exactly")
+        _check(
+            not (full & kda),
+            p + "full_attn_layers",
+            f"layers {sorted(full & kda)} are listed as both KDA and full attention",
+        )
+        _check(
+            full | kda == set(range(1, num_layers + 1)),
+            p + "kda_layers",
+            f"kda_layers + full_attn_layers must cover layers 1..{num_layers} (1-indexed) exactly",
+        )
 
     def to_hf(self) -> dict:
         d = dict(self.extra)
@@ -160,35 +172,80 @@ class K3Config:
     wrapper: dict | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
-        for key in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "kv_lora_rank",
-                    "qk_nope_head_dim", "v_head_dim", "num_experts", "num_experts_per_token",
-                    "moe_intermediate_size", "routed_expert_hidden_size", "intermediate_size",
-                    "moe_layer_freq", "max_position_embeddings"):
+        for key in (
+            "vocab_size",
+            "hidden_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "kv_lora_rank",
+            "qk_nope_head_dim",
+            "v_head_dim",
+            "num_experts",
+            "num_experts_per_token",
+            "moe_intermediate_size",
+            "routed_expert_hidden_size",
+            "intermediate_size",
+            "moe_layer_freq",
+            "max_position_embeddings",
+        ):
             _positive_int(getattr(self, key), key)
-        _check(isinstance(self.qk_rope_head_dim, int) and self.qk_rope_head_dim >= 0, "qk_rope_head_dim",
-               f"must be a non-negative integer, got {self.qk_rope_head_dim!r}")
+        _check(
+            isinstance(self.qk_rope_head_dim, int) and self.qk_rope_head_dim >= 0,
+            "qk_rope_head_dim",
+            f"must be a non-negative integer, got {self.qk_rope_head_dim!r}",
+        )
         if self.q_lora_rank is not None:
             _positive_int(self.q_lora_rank, "q_lora_rank")
-        _check(self.num_key_value_heads == self.num_attention_heads, "num_key_value_heads",
-               "MLA uses one latent shared by all heads; must equal num_attention_heads")
+        _check(
+            self.num_key_value_heads == self.num_attention_heads,
+            "num_key_value_heads",
+            "MLA uses one latent shared by all heads; must equal num_attention_heads",
+        )
         _check(self.hidden_act in _ACTS, "hidden_act", f"must be one of {_ACTS}, got {self.hidden_act!r}")
-        _check(self.moe_router_activation_func == "sigmoid", "moe_router_activation_func",
-               f"only 'sigmoid' is supported, got {self.moe_router_activation_func!r}")
-        _check(self.num_experts_per_token <= self.num_experts, "num_experts_per_token",
-               f"{self.num_experts_per_token} exceeds num_experts={self.num_experts}")
-        _check(isinstance(self.num_shared_experts, int) and self.num_shared_experts >= 0, "num_shared_experts",
-               f"must be a non-negative integer, got {self.num_shared_experts!r}")
-        _check(isinstance(self.first_k_dense_replace, int) and 0 <= self.first_k_dense_replace
-               <= self.num_hidden_layers, "first_k_dense_replace", "must be in [0, num_hidden_layers]")
-        _check(isinstance(self.attn_res_block_size, int) and self.attn_res_block_size > 0,
-               "attn_res_block_size", f"must be a positive integer, got {self.attn_res_block_size!r}")
+        _check(
+            self.moe_router_activation_func == "sigmoid",
+            "moe_router_activation_func",
+            f"only 'sigmoid' is supported, got {self.moe_router_activation_func!r}",
+        )
+        _check(
+            self.num_experts_per_token <= self.num_experts,
+            "num_experts_per_token",
+            f"{self.num_experts_per_token} exceeds num_experts={self.num_experts}",
+        )
+        _check(
+            isinstance(self.num_shared_experts, int) and self.num_shared_experts >= 0,
+            "num_shared_experts",
+            f"must be a non-negative integer, got {self.num_shared_experts!r}",
+        )
+        _check(
+            isinstance(self.first_k_dense_replace, int)
+            and 0 <= self.first_k_dense_replace <= self.num_hidden_layers,
+            "first_k_dense_replace",
+            "must be in [0, num_hidden_layers]",
+        )
+        _check(
+            isinstance(self.attn_res_block_size, int) and self.attn_res_block_size > 0,
+            "attn_res_block_size",
+            f"must be a positive integer, got {self.attn_res_block_size!r}",
+        )
         _check(self.rms_norm_eps > 0, "rms_norm_eps", f"must be > 0, got {self.rms_norm_eps!r}")
-        _check(self.bias_update in _BIAS_UPDATES, "bias_update",
-               f"must be one of {_BIAS_UPDATES}, got {self.bias_update!r}")
-        _check(self.num_expert_group == 1 or not self.use_grouped_topk or
-               self.num_experts % self.num_expert_group == 0, "num_expert_group", "must divide num_experts")
-        _check(self.tie_word_embeddings is False or isinstance(self.tie_word_embeddings, bool),
-               "tie_word_embeddings", "must be a boolean")
+        _check(
+            self.bias_update in _BIAS_UPDATES,
+            "bias_update",
+            f"must be one of {_BIAS_UPDATES}, got {self.bias_update!r}",
+        )
+        _check(
+            self.num_expert_group == 1
+            or not self.use_grouped_topk
+            or self.num_experts % self.num_expert_group == 0,
+            "num_expert_group",
+            "must divide num_experts",
+        )
+        _check(
+            self.tie_word_embeddings is False or isinstance(self.tie_word_embeddings, bool),
+            "tie_word_embeddings",
+            "must be a boolean",
+        )
         self.linear_attn_config.validate(self.num_hidden_layers)
 
     # ---- layer pattern -------------------------------------------------------------------------
@@ -241,8 +298,14 @@ class K3Config:
     def to_hf(self, text_only: bool = False) -> dict:
         """The config.json dict; wrapped in the multimodal layout if it was loaded from one."""
         defaults = {f.name: f.default for f in dataclasses.fields(K3Config)}
-        ext = ("use_attn_res", "use_latent_moe", "bias_update", "bias_update_rate", "rope_theta",
-               "mla_latent_norm_eps")
+        ext = (
+            "use_attn_res",
+            "use_latent_moe",
+            "bias_update",
+            "bias_update_rate",
+            "rope_theta",
+            "mla_latent_norm_eps",
+        )
         d = copy.deepcopy(self.extra)
         for f in dataclasses.fields(self):
             if f.name in ("extra", "wrapper"):
@@ -289,21 +352,56 @@ def _pattern(num_layers: int) -> tuple[list[int], list[int]]:
     return full, kda
 
 
-def _small_preset(*, vocab: int, d: int, layers: int, kda_heads: int, kda_dim: int, mla_heads: int,
-                  q_lora: int, kv_lora: int, nope: int, rope: int, v: int, experts: int, topk: int,
-                  shared: int, moe_inter: int, latent: int, dense_inter: int, block: int) -> K3Config:
+def _small_preset(
+    *,
+    vocab: int,
+    d: int,
+    layers: int,
+    kda_heads: int,
+    kda_dim: int,
+    mla_heads: int,
+    q_lora: int,
+    kv_lora: int,
+    nope: int,
+    rope: int,
+    v: int,
+    experts: int,
+    topk: int,
+    shared: int,
+    moe_inter: int,
+    latent: int,
+    dense_inter: int,
+    block: int,
+) -> K3Config:
     full, kda = _pattern(layers)
-    la = LinearAttnConfig(num_heads=kda_heads, head_dim=kda_dim, full_attn_layers=tuple(full),
-                          kda_layers=tuple(kda))
+    la = LinearAttnConfig(
+        num_heads=kda_heads, head_dim=kda_dim, full_attn_layers=tuple(full), kda_layers=tuple(kda)
+    )
     base = vocab - 256  # the 256 reserved ids sit at the top of the vocab, as in the release (SPEC §6.1)
     return K3Config(
-        vocab_size=vocab, hidden_size=d, num_hidden_layers=layers, linear_attn_config=la,
-        num_attention_heads=mla_heads, num_key_value_heads=mla_heads, q_lora_rank=q_lora,
-        kv_lora_rank=kv_lora, qk_nope_head_dim=nope, qk_rope_head_dim=rope, v_head_dim=v,
-        attn_res_block_size=block, num_experts=experts, num_experts_per_token=topk,
-        num_shared_experts=shared, moe_intermediate_size=moe_inter, routed_expert_hidden_size=latent,
-        intermediate_size=dense_inter, bos_token_id=base, eos_token_id=base + 2, pad_token_id=base + 255,
-        max_position_embeddings=1048576, dtype="float32",
+        vocab_size=vocab,
+        hidden_size=d,
+        num_hidden_layers=layers,
+        linear_attn_config=la,
+        num_attention_heads=mla_heads,
+        num_key_value_heads=mla_heads,
+        q_lora_rank=q_lora,
+        kv_lora_rank=kv_lora,
+        qk_nope_head_dim=nope,
+        qk_rope_head_dim=rope,
+        v_head_dim=v,
+        attn_res_block_size=block,
+        num_experts=experts,
+        num_experts_per_token=topk,
+        num_shared_experts=shared,
+        moe_intermediate_size=moe_inter,
+        routed_expert_hidden_size=latent,
+        intermediate_size=dense_inter,
+        bos_token_id=base,
+        eos_token_id=base + 2,
+        pad_token_id=base + 255,
+        max_position_embeddings=1048576,
+        dtype="float32",
     )
 
 
@@ -312,17 +410,68 @@ def preset(name: str) -> K3Config:
     if name == "k3-full":
         return K3Config.load(PRESET_DIR / "k3-full.json")
     if name == "k3-nano":  # < 2M parameters: unit tests
-        return _small_preset(vocab=512, d=64, layers=4, kda_heads=2, kda_dim=32, mla_heads=2, q_lora=48,
-                             kv_lora=32, nope=16, rope=8, v=16, experts=8, topk=2, shared=1, moe_inter=32,
-                             latent=32, dense_inter=128, block=2)
+        return _small_preset(
+            vocab=512,
+            d=64,
+            layers=4,
+            kda_heads=2,
+            kda_dim=32,
+            mla_heads=2,
+            q_lora=48,
+            kv_lora=32,
+            nope=16,
+            rope=8,
+            v=16,
+            experts=8,
+            topk=2,
+            shared=1,
+            moe_inter=32,
+            latent=32,
+            dense_inter=128,
+            block=2,
+        )
     if name == "k3-tiny":  # ~30M parameters: the CPU training demo
-        return _small_preset(vocab=8192, d=256, layers=8, kda_heads=4, kda_dim=64, mla_heads=4, q_lora=192,
-                             kv_lora=128, nope=64, rope=32, v=64, experts=16, topk=4, shared=1, moe_inter=256,
-                             latent=128, dense_inter=1024, block=4)
+        return _small_preset(
+            vocab=8192,
+            d=256,
+            layers=8,
+            kda_heads=4,
+            kda_dim=64,
+            mla_heads=4,
+            q_lora=192,
+            kv_lora=128,
+            nope=64,
+            rope=32,
+            v=64,
+            experts=32,
+            topk=4,
+            shared=1,
+            moe_inter=256,
+            latent=128,
+            dense_inter=1024,
+            block=4,
+        )
     if name == "k3-small":  # ~0.5B parameters: a GPU user's first run
-        return _small_preset(vocab=32768, d=1024, layers=16, kda_heads=8, kda_dim=128, mla_heads=8,
-                             q_lora=512, kv_lora=256, nope=128, rope=64, v=128, experts=64, topk=6, shared=1,
-                             moe_inter=512, latent=512, dense_inter=4096, block=4)
+        return _small_preset(
+            vocab=32768,
+            d=1024,
+            layers=16,
+            kda_heads=8,
+            kda_dim=128,
+            mla_heads=8,
+            q_lora=512,
+            kv_lora=256,
+            nope=128,
+            rope=64,
+            v=128,
+            experts=32,
+            topk=4,
+            shared=1,
+            moe_inter=448,
+            latent=512,
+            dense_inter=4096,
+            block=4,
+        )
     raise ValueError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)} or a config.json path")
 
 

@@ -104,11 +104,6 @@ def test_preset_sizes(name, low, high):
     assert low < count_parameters(preset(name)).total_params < high
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="k3-small is 0.96B total / 0.27B active, not ~0.5B; config.py's "
-    "owner decides (strict: this fails loudly once the preset is resized)",
-)
 def test_small_preset_is_about_half_a_billion():
     assert 0.3e9 < count_parameters(preset("k3-small")).total_params < 0.7e9
 

@@ -44,8 +44,11 @@ def test_import_direction():
         module = ".".join(path.relative_to(ROOT).with_suffix("").parts)
         for prefix, forbidden in FORBIDDEN.items():
             if module == prefix or module.startswith(prefix + "."):
-                bad += [f"{module} imports {name}" for name in _imports(path)
-                        if any(name == f or name.startswith(f + ".") for f in forbidden)]
+                bad += [
+                    f"{module} imports {name}"
+                    for name in _imports(path)
+                    if any(name == f or name.startswith(f + ".") for f in forbidden)
+                ]
     assert not bad, "\n".join(bad)
 
 

@@ -30,8 +30,9 @@ class AttnResKeyNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype))
 
 
-def mix(blocks: list[torch.Tensor], partial: torch.Tensor | None, query: AttnResQuery,
-        norm: AttnResKeyNorm) -> torch.Tensor:
+def mix(
+    blocks: list[torch.Tensor], partial: torch.Tensor | None, query: AttnResQuery, norm: AttnResKeyNorm
+) -> torch.Tensor:
     """AttnRes([R..., P]) for one sub-layer; P may be absent right after a block boundary."""
     sources = blocks if partial is None else [*blocks, partial]
     return attn_res(sources, query.weight[0], norm.weight)

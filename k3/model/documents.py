@@ -21,8 +21,9 @@ def doc_ids_to_cu_seqlens(doc_ids: torch.Tensor) -> torch.Tensor:
 def cu_seqlens_to_doc_ids(cu_seqlens: torch.Tensor, batch: int, seqlen: int) -> torch.Tensor:
     """cu_seqlens [N+1] over batch*seqlen tokens -> doc_ids [B, T] int64."""
     if cu_seqlens.ndim != 1 or int(cu_seqlens[0]) != 0 or int(cu_seqlens[-1]) != batch * seqlen:
-        raise ValueError(f"cu_seqlens must be 1-D, start at 0 and end at B*T={batch * seqlen}; "
-                         f"got {cu_seqlens.tolist()}")
+        raise ValueError(
+            f"cu_seqlens must be 1-D, start at 0 and end at B*T={batch * seqlen}; got {cu_seqlens.tolist()}"
+        )
     lengths = cu_seqlens[1:] - cu_seqlens[:-1]
     if bool((lengths <= 0).any()):
         raise ValueError("cu_seqlens must be strictly increasing")
@@ -33,8 +34,9 @@ def cu_seqlens_to_doc_ids(cu_seqlens: torch.Tensor, batch: int, seqlen: int) -> 
     return ids
 
 
-def block_causal_mask(doc_ids: torch.Tensor | None, q_len: int, k_len: int,
-                      device: torch.device | None = None) -> torch.Tensor:
+def block_causal_mask(
+    doc_ids: torch.Tensor | None, q_len: int, k_len: int, device: torch.device | None = None
+) -> torch.Tensor:
     """Boolean [B or 1, q_len, k_len] mask (True = attend): causal, and within one document when given.
 
     Queries are the last q_len positions of the k_len keys (a cache prefix of k_len - q_len tokens).

@@ -10,8 +10,9 @@ import torch
 from k3.model.state import ModelState
 
 
-def _pick(logits: torch.Tensor, temperature: float, top_k: int | None,
-          generator: torch.Generator | None) -> torch.Tensor:
+def _pick(
+    logits: torch.Tensor, temperature: float, top_k: int | None, generator: torch.Generator | None
+) -> torch.Tensor:
     """logits [B, V] -> next ids [B]."""
     if temperature <= 0:
         return logits.argmax(-1)
@@ -23,9 +24,17 @@ def _pick(logits: torch.Tensor, temperature: float, top_k: int | None,
 
 
 @torch.no_grad()
-def generate(model, input_ids: torch.Tensor, max_new_tokens: int, *, temperature: float = 0.0,
-             top_k: int | None = None, eos_token_id: int | None = None, use_cache: bool = True,
-             generator: torch.Generator | None = None) -> torch.Tensor:
+def generate(
+    model,
+    input_ids: torch.Tensor,
+    max_new_tokens: int,
+    *,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    eos_token_id: int | None = None,
+    use_cache: bool = True,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
     """input_ids [B, T] -> [B, T + n] with n <= max_new_tokens (stops early once every row hit eos)."""
     if input_ids.ndim != 2 or input_ids.shape[1] == 0:
         raise ValueError(f"input_ids must be [B, T] with T >= 1, got {tuple(input_ids.shape)}")

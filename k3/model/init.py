@@ -25,7 +25,9 @@ _OUTPUT_PROJ = ("o_proj", "down_proj", "routed_expert_up_proj")
 
 
 @torch.no_grad()
-def init_weights(model: nn.Module, initializer_range: float, num_layers: int, seed: int | None = None) -> None:
+def init_weights(
+    model: nn.Module, initializer_range: float, num_layers: int, seed: int | None = None
+) -> None:
     """Initialize every parameter of a K3 model (materialize with `model.to_empty(device=...)` first)."""
     if seed is not None:
         torch.manual_seed(seed)

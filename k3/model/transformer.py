@@ -70,7 +70,9 @@ class DecoderLayer(nn.Module):
             self.self_attention_res_proj = AttnResQuery(d)
             self.mlp_res_norm = AttnResKeyNorm(d)
             self.mlp_res_proj = AttnResQuery(d)
-        self.self_attn = KimiDeltaAttention(config, layer_idx) if self.is_kda else MLAAttention(config, layer_idx)
+        self.self_attn = (
+            KimiDeltaAttention(config, layer_idx) if self.is_kda else MLAAttention(config, layer_idx)
+        )
         if config.is_moe_layer(layer_idx):
             self.block_sparse_moe = LatentMoE(config)
         else:
@@ -87,15 +89,23 @@ class DecoderLayer(nn.Module):
     def forward(self, stream: BlockStream, state, ctx: Context) -> None:
         """Advance the block stream by this layer (in place)."""
         if self.use_attn_res:
-            h = stream.partial if not stream.blocks else mix(
-                stream.blocks, stream.partial, self.self_attention_res_proj, self.self_attention_res_norm)
+            h = (
+                stream.partial
+                if not stream.blocks
+                else mix(
+                    stream.blocks, stream.partial, self.self_attention_res_proj, self.self_attention_res_norm
+                )
+            )
             if self.block_start:
                 stream.close_block()
         else:
             h = stream.partial
         stream.add(self.mixer(self.input_layernorm(h), state, ctx))
-        h = mix(stream.blocks, stream.partial, self.mlp_res_proj, self.mlp_res_norm) if self.use_attn_res \
+        h = (
+            mix(stream.blocks, stream.partial, self.mlp_res_proj, self.mlp_res_norm)
+            if self.use_attn_res
             else stream.partial
+        )
         stream.add(self.ffn(self.post_attention_layernorm(h)))
 
 
@@ -113,8 +123,14 @@ class K3Model(nn.Module):
             self.output_attn_res_norm = AttnResKeyNorm(d)
             self.output_attn_res_proj = AttnResQuery(d)
 
-    def forward(self, input_ids: torch.Tensor | None = None, *, inputs_embeds: torch.Tensor | None = None,
-                state=None, ctx: Context | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor | None = None,
+        *,
+        inputs_embeds: torch.Tensor | None = None,
+        state=None,
+        ctx: Context | None = None,
+    ) -> torch.Tensor:
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids or inputs_embeds")
         ctx = ctx or Context()
@@ -138,9 +154,17 @@ class K3ForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, input_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None, *,
-                inputs_embeds: torch.Tensor | None = None, state=None, cu_seqlens: torch.Tensor | None = None,
-                doc_ids: torch.Tensor | None = None, positions: torch.Tensor | None = None) -> CausalLMOutput:
+    def forward(
+        self,
+        input_ids: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        *,
+        inputs_embeds: torch.Tensor | None = None,
+        state=None,
+        cu_seqlens: torch.Tensor | None = None,
+        doc_ids: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
+    ) -> CausalLMOutput:
         """input_ids [B, T] (or inputs_embeds [B, T, D]) -> logits [B, T, V] (+ loss given labels [B, T])."""
         ref = input_ids if input_ids is not None else inputs_embeds
         ctx = make_context(ref.shape[0], ref.shape[1], cu_seqlens, doc_ids, positions)

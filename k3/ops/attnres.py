@@ -16,8 +16,9 @@ import torch
 ATTN_RES_EPS = 1e-5
 
 
-def attn_res_naive(sources: list[torch.Tensor], query: torch.Tensor, norm_weight: torch.Tensor,
-                   eps: float = ATTN_RES_EPS) -> torch.Tensor:
+def attn_res_naive(
+    sources: list[torch.Tensor], query: torch.Tensor, norm_weight: torch.Tensor, eps: float = ATTN_RES_EPS
+) -> torch.Tensor:
     """sources: n tensors [..., D] (same shape/dtype); query, norm_weight: [D] -> [..., D]."""
     if len(sources) == 1:
         return sources[0]
@@ -32,8 +33,9 @@ def attn_res_naive(sources: list[torch.Tensor], query: torch.Tensor, norm_weight
     return out.to(sources[0].dtype)
 
 
-def attn_res(sources: list[torch.Tensor], query: torch.Tensor, norm_weight: torch.Tensor,
-             eps: float = ATTN_RES_EPS) -> torch.Tensor:
+def attn_res(
+    sources: list[torch.Tensor], query: torch.Tensor, norm_weight: torch.Tensor, eps: float = ATTN_RES_EPS
+) -> torch.Tensor:
     """Stacked fast path of `attn_res_naive` (same signature and result)."""
     if len(sources) == 1:
         return sources[0]

@@ -37,8 +37,13 @@ def reference_forward(model, ids):
     P = model.model.embed_tokens(ids)
     R = []
     for l, layer in enumerate(model.model.layers):
-        h = P if not R else attn_res_naive(R + [P], layer.self_attention_res_proj.weight[0],
-                                           layer.self_attention_res_norm.weight)
+        h = (
+            P
+            if not R
+            else attn_res_naive(
+                R + [P], layer.self_attention_res_proj.weight[0], layer.self_attention_res_norm.weight
+            )
+        )
         if l % cfg.attn_res_block_size == 0:
             R.append(P)
             P = None
@@ -46,8 +51,9 @@ def reference_forward(model, ids):
         P = a if P is None else P + a
         h2 = attn_res_naive(R + [P], layer.mlp_res_proj.weight[0], layer.mlp_res_norm.weight)
         P = P + layer.ffn(layer.post_attention_layernorm(h2))
-    out = attn_res_naive(R + [P], model.model.output_attn_res_proj.weight[0],
-                         model.model.output_attn_res_norm.weight)
+    out = attn_res_naive(
+        R + [P], model.model.output_attn_res_proj.weight[0], model.model.output_attn_res_norm.weight
+    )
     return model.lm_head(model.model.norm(out)), len(R)
 
 
@@ -65,8 +71,10 @@ def test_full_config_block_count():
     assert boundaries == [0, 12, 24, 36, 48, 60, 72, 84]  # R ends with 8 entries (SPEC §3.3)
 
 
-@pytest.mark.parametrize("changes", [{}, {"use_attn_res": False}, {"mla_use_nope": False},
-                                     {"hidden_act": "silu", "use_latent_moe": False}])
+@pytest.mark.parametrize(
+    "changes",
+    [{}, {"use_attn_res": False}, {"mla_use_nope": False}, {"hidden_act": "silu", "use_latent_moe": False}],
+)
 def test_prefill_then_decode_equals_full_forward(changes):
     model = build(**changes)
     ids = torch.randint(0, model.config.vocab_size, (2, 21))
@@ -94,8 +102,10 @@ def test_causality():
     ids2 = ids.clone()
     ids2[0, t] = (ids2[0, t] + 1) % model.config.vocab_size
     other = model(ids2).logits
-    assert torch.equal(base[:, :t], other[:, :t])
-    assert not torch.allclose(base[:, t:], other[:, t:])
+    # the chunked KDA kernel picks per-sub-chunk reference points for its exponentials, so positions
+    # before t may move by float rounding only; from t on the change must be real
+    assert rel_err(other[:, :t], base[:, :t]) < 1e-6
+    assert (other[:, t:] - base[:, t:]).abs().amax(-1).min() > 1e-3
 
 
 def test_packed_documents_do_not_leak():
@@ -116,12 +126,20 @@ def test_loss_and_backward():
     labels[:, -1] = -100
     out = model(ids, labels)
     assert out.loss.dtype == torch.float32 and torch.isfinite(out.loss)
-    ref = torch.nn.functional.cross_entropy(out.logits[:, :-1].reshape(-1, out.logits.shape[-1]).float(),
-                                            ids[:, 1:].reshape(-1))
+    ref = torch.nn.functional.cross_entropy(
+        out.logits[:, :-1].reshape(-1, out.logits.shape[-1]).float(), ids[:, 1:].reshape(-1)
+    )
     torch.testing.assert_close(out.loss, ref)
     out.loss.backward()
-    missing = [n for n, p in model.named_parameters() if p.grad is None]
-    assert not missing, missing
+    # layer 0 has no completed block yet, so its first AttnRes mixture is the identity (SPEC §3.3 step 1);
+    # its parameters exist only because the checkpoint layout is uniform across layers
+    unused = {
+        "model.layers.0.self_attention_res_norm.weight",
+        "model.layers.0.self_attention_res_proj.weight",
+    }
+    missing = {n for n, p in model.named_parameters() if p.grad is None}
+    assert missing == unused, missing ^ unused
+    assert all(torch.isfinite(p.grad).all() for n, p in model.named_parameters() if n not in unused)
 
 
 def test_cached_generate_equals_uncached():
