@@ -167,6 +167,21 @@ class Engine:
         self.scheduler.finish(seq)
         self.requests.pop(seq.request_id, None)
 
+    @classmethod
+    def from_checkpoint(
+        cls, ckpt_dir: str, config: EngineConfig | None = None, device: str = "cpu"
+    ) -> Engine:
+        """Model (k3.checkpoint) + tokenizer (K3Tokenizer files in the same directory, if any)."""
+        from pathlib import Path
+
+        from k3.checkpoint.io import load_checkpoint
+        from k3.tokenizer import K3Tokenizer
+
+        model, _ = load_checkpoint(ckpt_dir, device=device)
+        d = Path(ckpt_dir)
+        has_tok = (d / "tokenizer_config.json").exists()
+        return cls(model, config, tokenizer=K3Tokenizer.from_dir(d) if has_tok else None)
+
     # ---- convenience --------------------------------------------------------------------------------
     def generate(
         self,

@@ -1,0 +1,71 @@
+"""`k3 serve CHECKPOINT_DIR`: the OpenAI-compatible server on uvicorn (binds 127.0.0.1 by default)."""
+
+from __future__ import annotations
+
+import argparse
+import threading
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("checkpoint", help="checkpoint directory (config.json, safetensors, tokenizer files)")
+    parser.add_argument("--max-model-len", type=int, default=8192, help="context length (prompt + output)")
+    parser.add_argument(
+        "--num-pages", type=int, default=None, help="MLA pages (default: fits 4 x max-model-len)"
+    )
+    parser.add_argument("--page-size", type=int, default=64)
+    parser.add_argument("--max-num-seqs", type=int, default=16, help="KDA state slots = concurrent sequences")
+    parser.add_argument("--no-prefix-cache", action="store_true", help="disable the hybrid prefix cache")
+    parser.add_argument("--device", default="cpu")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_engine_arguments(parser)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY`")
+    parser.add_argument("--served-model-name", default="kimi-k3")
+    parser.add_argument("--max-pending", type=int, default=256, help="requests in flight before 503")
+    parser.add_argument("--max-body-bytes", type=int, default=4 << 20)
+    parser.add_argument("--shutdown-after", type=float, default=None, help=argparse.SUPPRESS)  # tests
+
+
+def build_engine(args):
+    from k3.infer.config import EngineConfig
+    from k3.infer.engine import Engine
+
+    n = args.max_model_len
+    pages = args.num_pages or -(-4 * n // args.page_size)
+    cfg = EngineConfig(page_size=args.page_size, prefix_unit=min(64, args.page_size), num_pages=pages,
+                       max_num_seqs=args.max_num_seqs, max_model_len=n,
+                       enable_prefix_cache=not args.no_prefix_cache)  # fmt: skip
+    engine = Engine.from_checkpoint(args.checkpoint, cfg, device=args.device)
+    if engine.tokenizer is None:
+        raise ValueError(f"checkpoint {args.checkpoint!r} has no tokenizer files (tokenizer_config.json)")
+    return engine
+
+
+def run(args) -> int:
+    import uvicorn
+
+    from k3.infer.async_engine import AsyncEngine
+    from k3.serve.app import ServeConfig, create_app
+
+    aengine = AsyncEngine(build_engine(args), max_pending=args.max_pending)
+    cfg = ServeConfig(args.served_model_name, args.api_key, args.max_model_len, args.max_body_bytes)
+    server = uvicorn.Server(uvicorn.Config(create_app(aengine, cfg), host=args.host, port=args.port,
+                                           log_level="warning"))  # fmt: skip
+    if args.shutdown_after:
+        threading.Timer(args.shutdown_after, lambda: setattr(server, "should_exit", True)).start()
+    try:
+        server.run()
+    finally:
+        aengine.shutdown()
+    return 0
+
+
+if __name__ == "__main__":  # `python -m k3.serve.cli ...` (the same as `k3 serve ...`)
+    import sys
+
+    _parser = argparse.ArgumentParser(prog="k3 serve")
+    add_arguments(_parser)
+    sys.exit(run(_parser.parse_args()))
