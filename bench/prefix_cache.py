@@ -1,0 +1,113 @@
+"""Prefix-cache benchmark: replay a multi-turn coding-agent session and measure reuse and TTFT.
+
+Each turn's prompt is the whole conversation so far (previous prompt + the model's output) + a tool
+output + a new user message, so the ideal cache serves everything but the new text. The session runs
+>= 10 turns and grows past 8K tokens. Conversation text is synthetic token ids (the cache works on ids;
+a harness that re-renders earlier turns exactly, as preserved thinking does, produces the same ids).
+
+Reported:
+* reuse = cached prompt tokens / the theoretical ceiling, where the ceiling of a turn is its longest
+  common prefix with any earlier request's prompt + output, at most P - 1 (the last prompt token must
+  be computed to get logits); goal >= 95 %;
+* time to first token at the last turn with the cache (warm, after the session) vs without; goal >= 10x.
+
+    python bench/prefix_cache.py --preset k3-tiny --turns 12 --target-tokens 8500
+"""
+
+import argparse
+import time
+
+import torch
+
+from k3.config import preset
+from k3.infer.config import EngineConfig
+from k3.infer.engine import Engine
+from k3.infer.sequence import SamplingParams
+from k3.model.init import init_weights
+from k3.model.transformer import K3ForCausalLM
+
+
+def build_model(name: str, dtype: str, device: str):
+    config = preset(name).replace(dtype=dtype)
+    model = K3ForCausalLM(config)
+    init_weights(model, config.initializer_range, config.num_hidden_layers, seed=0)
+    return model.to(device=device, dtype=getattr(torch, dtype)).eval()
+
+
+def session_turns(turns: int, target: int, vocab: int, out_tokens: int, seed: int) -> list[list[int]]:
+    """New tokens per turn (tool output + user message) so the final prompt reaches about `target`."""
+    g = torch.Generator().manual_seed(seed)
+    per_turn = max(16, (target - turns * out_tokens) // turns)
+    sizes = [int(per_turn * (0.5 + torch.rand(1, generator=g).item())) for _ in range(turns)]
+    return [torch.randint(0, vocab - 300, (n,), generator=g).tolist() for n in sizes]
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def time_to_first_token(engine: Engine, prompt: list[int]) -> float:
+    t0 = time.perf_counter()
+    seq = engine.add_request(prompt, SamplingParams(max_tokens=1, ignore_eos=True))
+    while not seq.output:
+        engine.step()
+    return time.perf_counter() - t0
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--preset", default="k3-tiny")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--turns", type=int, default=12)
+    p.add_argument("--target-tokens", type=int, default=8500)
+    p.add_argument("--out-tokens", type=int, default=48, help="generated tokens per turn")
+    p.add_argument("--unit", type=int, default=64, help="prefix-match unit (and page size)")
+    p.add_argument("--chunk", type=int, default=1024, help="max prefill chunk")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: leave as is)")
+    p.add_argument("--seed", type=int, default=0)
+    a = p.parse_args(argv)
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    model = build_model(a.preset, a.dtype, a.device)
+    max_len = a.target_tokens * 2 + 1024
+    pages = -(-2 * max_len // a.unit)
+    cfg = EngineConfig(page_size=a.unit, prefix_unit=a.unit, num_pages=pages, max_model_len=max_len,
+                       max_prefill_chunk=a.chunk, max_num_batched_tokens=a.chunk)  # fmt: skip
+    engine = Engine(model, cfg)
+    convo, seen, ceiling = [], [], 0
+    params = SamplingParams(max_tokens=a.out_tokens, ignore_eos=True)
+    new = session_turns(a.turns, a.target_tokens, model.config.vocab_size, a.out_tokens, a.seed)
+    for t, extra in enumerate(new[:-1]):
+        convo = convo + extra
+        ceil_t = min(len(convo) - 1, max((common_prefix(convo, s) for s in seen), default=0))
+        t0 = time.perf_counter()
+        (seq,) = engine.generate([convo], params)
+        dt = time.perf_counter() - t0
+        ceiling += ceil_t
+        row = f"prompt {len(convo):6d}  cached {seq.cached_tokens:6d}  ceiling {ceil_t:6d}  {dt:6.2f}s"
+        print(f"turn {t + 1:2d}: {row}")
+        seen.append(convo + seq.output)
+        convo = convo + seq.output
+    last = convo + new[-1]
+    ceil_t = min(len(last) - 1, max(common_prefix(last, s) for s in seen))
+    ttft_on = time_to_first_token(engine, last)
+    total_hits = engine.scheduler.cache.hit_tokens  # every turn's cached prompt tokens, the last included
+    off = Engine(model, EngineConfig(**{**cfg.__dict__, "enable_prefix_cache": False}))
+    ttft_off = time_to_first_token(off, last)
+    total_ceiling = ceiling + ceil_t
+    print(f"turn {a.turns:2d}: prompt {len(last):6d}  ceiling {ceil_t:6d}  (TTFT turn)")
+    pct = 100 * total_hits / max(1, total_ceiling)
+    print(f"reuse: {total_hits} / {total_ceiling} ceiling tokens = {pct:.1f}% of the ceiling (goal >= 95%)")
+    print(
+        f"TTFT at the last turn ({len(last)} tokens): cache on {ttft_on * 1e3:.0f} ms, "
+        f"off {ttft_off * 1e3:.0f} ms, {ttft_off / ttft_on:.1f}x (goal >= 10x)"
+    )
+
+
+if __name__ == "__main__":
+    main()
