@@ -28,6 +28,7 @@ COMMANDS: tuple[Command, ...] = (
     Command("params", "k3.params", "count total and active parameters of a config, by component"),
     Command("serve", "k3.serve.cli", "OpenAI-compatible HTTP server on the inference engine"),
     Command("chat", "k3.serve.chat", "interactive terminal chat on the inference engine"),
+    Command("quantize", "k3.quant.cli", "convert a checkpoint's routed experts to MXFP4 (post-training)"),
 )
 
 
