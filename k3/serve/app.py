@@ -115,7 +115,7 @@ def create_app(engine: AsyncEngine, cfg: ServeConfig) -> FastAPI:
         messages = [_message(m) for m in req.messages]
         try:
             prompt = encode_chat(tok, messages, req.tools, opts)
-        except (ValueError, KeyError, TypeError) as e:
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
             raise APIError(400, f"messages: {e}", param="messages") from None
         max_tokens = _fit(len(prompt), req.max_completion_tokens or req.max_tokens, cfg.max_model_len, 1)
         top = (req.top_logprobs or 0) if req.logprobs else None

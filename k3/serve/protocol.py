@@ -31,7 +31,8 @@ class _Request(BaseModel):
     def stop_list(self) -> tuple[str, ...]:
         if self.stop is None:
             return ()
-        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        stops = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        return tuple(s for s in stops if s)
 
 
 class ChatMessage(BaseModel):

@@ -96,3 +96,18 @@ def test_bad_requests_raise(nano, prompt):
         engine.add_request([1] * 600)
     with pytest.raises(ValueError, match="top_p"):
         SamplingParams(top_p=0)
+
+
+def test_stop_strings_cut_the_text(nano, prompt):
+    from k3.tokenizer import train_tokenizer
+
+    tok = train_tokenizer(["the quick brown fox " * 20], vocab_size=512)  # byte-level: ids 0..255 = bytes
+    p = [ord(c) for c in "the quick brown"]
+    free = Engine(nano, small(), tokenizer=tok).generate([p], GREEDY)[0]
+    assert free.text == tok.decode(free.output)
+    visible = [i for i, ch in enumerate(free.text) if ch.isprintable() and ch != "\ufffd"]
+    stop = free.text[visible[len(visible) // 2]]
+    cut = Engine(nano, small(), tokenizer=tok).generate(
+        [p], SamplingParams(max_tokens=12, stop=(stop,), ignore_eos=True)
+    )[0]
+    assert cut.finish_reason == "stop" and cut.text == free.text[: free.text.index(stop)]

@@ -137,3 +137,18 @@ def test_queue_full_then_disconnect_frees_slots(client, server):
     assert metrics(server)["k3_num_requests_running"] == 0
     r = client.completions.create(model=MODEL, prompt="the fox", max_tokens=2)
     assert r.choices[0].finish_reason in ("stop", "length")
+
+
+def test_terminal_chat(checkpoint):
+    import os
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "k3.cli", "chat", str(checkpoint), "--max-tokens", "6",
+           "--max-model-len", "1024", "--page-size", "16", "--no-thinking"]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    r = subprocess.run(
+        cmd, input="hello\n/reset\nthe fox\n/quit\n", capture_output=True, text=True, timeout=120, env=env
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.count("> ") == 4
