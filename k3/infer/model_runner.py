@@ -69,7 +69,8 @@ class ModelRunner:
     # ---- forward ------------------------------------------------------------------------------------
     @torch.no_grad()
     def execute(self, plan: StepPlan) -> list[torch.Tensor]:
-        """-> per plan item, fp32 logits [n, V] for its n fed tokens."""
+        """-> per plan item, fp32 logits [n, V] for its n fed tokens ([1, V], the last, unless the
+        sequence wants prompt logprobs)."""
         self.copy_pages(plan.copies)
         for slot, handle in plan.restores:
             self.restore(slot, handle)
@@ -86,7 +87,7 @@ class ModelRunner:
         return out
 
     def _forward(self, seqs: list[Sequence], c: int, n: int) -> torch.Tensor:
-        """B sequences with c cached tokens each, feeding n more -> logits [B, n, V] fp32."""
+        """B sequences with c cached tokens each, feeding n more -> logits [B, n or 1, V] fp32."""
         ps = self.config.page_size
         ids = torch.tensor([s.tokens[c : c + n] for s in seqs], device=self.device)
         write = torch.tensor(
@@ -100,7 +101,10 @@ class ModelRunner:
                 state.append(KDAState(**{f: self.kda[i][f][slots] for f in _KDA_FIELDS}))
             else:
                 state.append(PagedMLAState(self.mla[i], write, read, c))
-        logits = self.model(ids, state=state).logits.float()
+        h = self.model.model(ids, state=state)  # K3ForCausalLM.forward, with the head on the rows we need
+        if not any(s.params.prompt_logprobs is not None for s in seqs):
+            h = h[:, -1:]
+        logits = self.model.lm_head(self.model.model.norm(h)).float()
         for i, d in self.kda.items():
             for f in _KDA_FIELDS:
                 d[f][slots] = getattr(state[i], f).to(d[f].dtype)
