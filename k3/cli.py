@@ -26,6 +26,8 @@ class Command:
 
 COMMANDS: tuple[Command, ...] = (
     Command("params", "k3.params", "count total and active parameters of a config, by component"),
+    Command("plan", "k3.plan", "per-GPU memory plan for training and serving a config on G GPUs"),
+    Command("export", "k3.parallel.dcp", "consolidate a DCP training checkpoint to the official layout"),
     Command("serve", "k3.serve.cli", "OpenAI-compatible HTTP server on the inference engine"),
     Command("chat", "k3.serve.chat", "interactive terminal chat on the inference engine"),
     Command("quantize", "k3.quant.cli", "convert a checkpoint's routed experts to MXFP4 (post-training)"),
