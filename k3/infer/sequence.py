@@ -33,6 +33,7 @@ class SamplingParams:
             "temperature": self.temperature >= 0,
             "top_k": self.top_k >= 0,
             "top_p": 0 < self.top_p <= 1,
+            "seed": self.seed is None or 0 <= self.seed < 2**63,
             "logprobs": self.logprobs is None or 0 <= self.logprobs <= 20,
             "prompt_logprobs": self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20,
         }

@@ -48,6 +48,10 @@ def create_app(engine: AsyncEngine, cfg: ServeConfig) -> FastAPI:
     async def _api_error(_, e: APIError):
         return JSONResponse(error_body(e.message, e.type, e.param, e.status), status_code=e.status)
 
+    @app.exception_handler(Exception)
+    async def _internal(_, e: Exception):  # a bug answers 500 in the OpenAI shape; the server keeps running
+        return JSONResponse(error_body(f"internal error: {type(e).__name__}", "server_error", None, 500), 500)
+
     @app.exception_handler(HTTPException)
     async def _http_error(_, e: HTTPException):
         return JSONResponse(

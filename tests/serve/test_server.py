@@ -90,7 +90,7 @@ def test_prefix_cache_metrics(client, server):
     assert after["k3_requests_total"] - before["k3_requests_total"] == 2
 
 
-@pytest.mark.parametrize("case", ["key", "model", "types", "too_long", "max_tokens", "big"])
+@pytest.mark.parametrize("case", ["key", "model", "types", "too_long", "max_tokens", "big", "seed"])
 def test_error_classes(client, server, case):
     base = client.with_options(api_key="wrong") if case == "key" else client
     kw = dict(model="nope" if case == "model" else MODEL, prompt="hi", max_tokens=4)
@@ -102,7 +102,18 @@ def test_error_classes(client, server, case):
         kw["max_tokens"] = 10_000
     if case == "big":
         kw["prompt"] = "x " * 20_000
-    expected = {"key": 401, "model": 404, "types": 422, "too_long": 400, "max_tokens": 400, "big": 413}[case]
+    if case == "seed":
+        kw["seed"] = 2**64
+    expected = {
+        "key": 401,
+        "model": 404,
+        "types": 422,
+        "too_long": 400,
+        "max_tokens": 400,
+        "big": 413,
+        "seed": 400,
+    }
+    expected = expected[case]
     with pytest.raises(openai.APIStatusError) as e:
         base.completions.create(**kw)
     assert e.value.status_code == expected
