@@ -89,11 +89,9 @@ class ModelRunner:
     def _forward(self, seqs: list[Sequence], c: int, n: int) -> torch.Tensor:
         """B sequences with c cached tokens each, feeding n more -> logits [B, n or 1, V] fp32."""
         ps = self.config.page_size
-        ids = torch.tensor([s.tokens[c : c + n] for s in seqs], device=self.device)
-        write = torch.tensor(
-            sum((page_positions(s.block_table, c, c + n, ps) for s in seqs), []), device=self.device
-        )
-        read = torch.tensor([page_positions(s.block_table, 0, c + n, ps) for s in seqs], device=self.device)
+        ids = torch.tensor([_tokens(s, c, c + n) for s in seqs], device=self.device)
+        write = torch.cat([page_positions(s.block_table, c, c + n, ps) for s in seqs]).to(self.device)
+        read = torch.stack([page_positions(s.block_table, 0, c + n, ps) for s in seqs]).to(self.device)
         slots = torch.tensor([s.slot for s in seqs], device=self.device)
         state = []
         for i in range(self.model.config.num_hidden_layers):
@@ -109,3 +107,9 @@ class ModelRunner:
             for f in _KDA_FIELDS:
                 d[f][slots] = getattr(state[i], f).to(d[f].dtype)
         return logits
+
+
+def _tokens(seq: Sequence, start: int, stop: int) -> list[int]:
+    """seq.tokens[start:stop] without concatenating prompt and output."""
+    P = len(seq.prompt)
+    return seq.prompt[start:stop] + seq.output[max(0, start - P) : max(0, stop - P)]

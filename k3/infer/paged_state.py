@@ -12,9 +12,12 @@ from __future__ import annotations
 import torch
 
 
-def page_positions(block_table: list[int], start: int, stop: int, page_size: int) -> list[int]:
-    """Flat pool indices of token positions [start, stop) of a sequence with this block table."""
-    return [block_table[p // page_size] * page_size + p % page_size for p in range(start, stop)]
+def page_positions(block_table: list[int], start: int, stop: int, page_size: int) -> torch.Tensor:
+    """Flat pool indices [stop - start] of token positions [start, stop) of a sequence."""
+    first, last = start // page_size, -(-stop // page_size)
+    pages = torch.tensor(block_table[first:last], dtype=torch.long)
+    rows = (pages[:, None] * page_size + torch.arange(page_size)).flatten()
+    return rows[start - first * page_size : stop - first * page_size]
 
 
 class PagedMLAState:
