@@ -1,14 +1,17 @@
 """Thread-backed asyncio front end of the Engine, for the HTTP server and the terminal chat.
 
-One background thread owns the engine and runs `step()` while there is work; callers submit requests and
-consume `Event`s from an asyncio queue per request. The events are plain copies (no shared mutable
-state crosses the thread boundary). Leaving the consumer loop early (client disconnect, cancellation)
-aborts the request, which frees its slot and pages. `max_pending` bounds running + waiting requests.
+One background thread owns the engine: it drains an inbox of submissions and aborts between steps and
+runs `step()` while there is work, so the event loop never waits for a model step. Callers consume
+`Event`s from an asyncio queue per request; events are plain copies (no shared mutable state crosses
+the thread boundary). Leaving the consumer loop early (client disconnect, cancellation) aborts the
+request, which frees its slot and pages. `max_pending` bounds the requests in flight.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
+import queue
 import threading
 import traceback
 from dataclasses import dataclass, field
@@ -36,9 +39,11 @@ class Event:
 class AsyncEngine:
     def __init__(self, engine: Engine, max_pending: int = 256):
         self.engine, self.max_pending = engine, max_pending
-        self._lock = threading.Lock()
-        self._wake = threading.Event()
         self._subs: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._subs_lock = threading.Lock()  # never held across a model step
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._ids = itertools.count()
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="k3-engine", daemon=True)
         self._thread.start()
@@ -48,29 +53,29 @@ class AsyncEngine:
         return self.engine.tokenizer
 
     def metrics(self) -> dict:
-        with self._lock:
-            return self.engine.metrics()
+        return self.engine.metrics()  # plain counters; a slightly stale read is fine
 
     def shutdown(self) -> None:
         self._stop = True
         self._wake.set()
         self._thread.join(timeout=5)
 
-    # ---- requests -----------------------------------------------------------------------------------
+    # ---- requests (event-loop side) -----------------------------------------------------------------
     async def generate(self, prompt: list[int], params: SamplingParams, salt: str = ""):
         """Async iterator of Events for one request; raises QueueFull / ValueError before the first."""
-        loop, queue = asyncio.get_running_loop(), asyncio.Queue()
-        with self._lock:
+        self.engine.validate(prompt)
+        loop, q = asyncio.get_running_loop(), asyncio.Queue()
+        rid = f"areq-{next(self._ids)}"
+        with self._subs_lock:
             if len(self._subs) >= self.max_pending:
                 raise QueueFull(f"{len(self._subs)} requests in flight (max_pending={self.max_pending})")
-            seq = self.engine.add_request(prompt, params, salt=salt)
-            rid = seq.request_id
-            self._subs[rid] = (loop, queue)
+            self._subs[rid] = (loop, q)
+        self._inbox.put(("add", rid, list(prompt), params, salt))
         self._wake.set()
         finished = False
         try:
             while not finished:
-                event = await queue.get()
+                event = await q.get()
                 finished = event.finished
                 yield event
         finally:
@@ -78,42 +83,68 @@ class AsyncEngine:
                 self.abort(rid)
 
     def abort(self, request_id: str) -> None:
-        with self._lock:
+        with self._subs_lock:
             self._subs.pop(request_id, None)
-            self.engine.abort(request_id)
+        self._inbox.put(("abort", request_id))
+        self._wake.set()
 
     # ---- the engine thread --------------------------------------------------------------------------
     def _run(self) -> None:
         while not self._stop:
-            with self._lock:
-                busy = self.engine.has_unfinished
-                events = self._step() if busy else []
-            for loop, queue, event in events:
-                loop.call_soon_threadsafe(queue.put_nowait, event)
-            if not busy:
+            events = self._drain()
+            if self.engine.has_unfinished:
+                events += self._step()
+            for loop, q, event in events:
+                loop.call_soon_threadsafe(q.put_nowait, event)
+            if not self.engine.has_unfinished and self._inbox.empty():
                 self._wake.wait(timeout=0.5)
                 self._wake.clear()
+
+    def _drain(self) -> list:
+        events = []
+        while True:
+            try:
+                kind, rid, *rest = self._inbox.get_nowait()
+            except queue.Empty:
+                return events
+            if kind == "abort":
+                self.engine.abort(rid)
+                continue
+            with self._subs_lock:
+                sub = self._subs.get(rid)
+            if sub is None:  # aborted before it started
+                continue
+            try:
+                self.engine.add_request(rest[0], rest[1], salt=rest[2], request_id=rid)
+            except ValueError as e:
+                events.append((*sub, Event([], True, "error", error=str(e))))
+                self._forget(rid)
+
+    def _forget(self, rid: str) -> None:
+        with self._subs_lock:
+            self._subs.pop(rid, None)
 
     def _step(self) -> list:
         try:
             outs = self.engine.step()
         except Exception:  # a bug must not hang clients: fail everything in flight
             err = traceback.format_exc(limit=3)
-            events = [(lp, q, Event([], True, "error", error=err)) for lp, q in self._subs.values()]
-            for rid in list(self._subs):
+            with self._subs_lock:
+                subs, self._subs = self._subs, {}
+            for rid in subs:
                 self.engine.abort(rid)
-            self._subs.clear()
-            return events
+            return [(lp, q, Event([], True, "error", error=err)) for lp, q in subs.values()]
         events = []
         for out in outs:
-            sub = self._subs.get(out.seq.request_id)
+            s, k = out.seq, len(out.new_tokens)
+            with self._subs_lock:
+                sub = self._subs.get(s.request_id)
             if sub is None:
                 continue
-            s, k = out.seq, len(out.new_tokens)
             event = Event(list(out.new_tokens), out.finished, s.finish_reason, s.text,
                           list(s.logprobs[len(s.logprobs) - k :]) if s.params.logprobs is not None else [],
                           list(s.prompt_logprobs) if out.finished else [], s.cached_tokens)  # fmt: skip
             events.append((*sub, event))
             if out.finished:
-                self._subs.pop(s.request_id, None)
+                self._forget(s.request_id)
         return events

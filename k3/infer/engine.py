@@ -59,14 +59,7 @@ class Engine:
         request_id: str | None = None,
     ) -> Sequence:
         params = params or SamplingParams()
-        if not prompt:
-            raise ValueError("prompt must contain at least one token")
-        if any(not isinstance(t, int) or not 0 <= t < self.vocab_size for t in prompt):
-            raise ValueError(f"prompt token ids must be ints in [0, {self.vocab_size})")
-        if len(prompt) > self.config.max_model_len:
-            raise ValueError(
-                f"prompt has {len(prompt)} tokens, more than max_model_len {self.config.max_model_len}"
-            )
+        self.validate(prompt)
         if request_id is not None and request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         seq = Sequence(list(prompt), params, salt=salt, request_id=request_id or "")
@@ -76,6 +69,17 @@ class Engine:
         self.stats["prompt_tokens"] += len(prompt)
         self.scheduler.add(seq)
         return seq
+
+    def validate(self, prompt: list[int]) -> None:
+        """Raise ValueError for a prompt the engine cannot take (no state is touched)."""
+        if not prompt:
+            raise ValueError("prompt must contain at least one token")
+        if any(not isinstance(t, int) or not 0 <= t < self.vocab_size for t in prompt):
+            raise ValueError(f"prompt token ids must be ints in [0, {self.vocab_size})")
+        if len(prompt) > self.config.max_model_len:
+            raise ValueError(
+                f"prompt has {len(prompt)} tokens, more than max_model_len {self.config.max_model_len}"
+            )
 
     def abort(self, request_id: str) -> None:
         seq = self.requests.pop(request_id, None)

@@ -82,6 +82,7 @@ class ModelRunner:
         out: list[torch.Tensor | None] = [None] * len(plan.items)
         for (c, n), rows in groups.items():
             logits = self._forward([plan.items[j][0] for j in rows], c, n)
+            logits = logits.cpu()  # sampling and its generators live on the CPU
             for r, j in enumerate(rows):
                 out[j] = logits[r]
         return out
