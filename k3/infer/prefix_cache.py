@@ -61,6 +61,7 @@ class Hit:
     length: int  # tokens served from the cache (a multiple of unit)
     pages: list[int]  # block-table prefix to share (refs already taken for the caller)
     snapshot: object | None  # handle to restore into the slot
+    mla_depth: int = 0  # tokens the MLA chain alone covers (>= length): a junction worth a snapshot
 
 
 class PrefixCache:
@@ -88,7 +89,7 @@ class PrefixCache:
         while j > 0 and hashes[j - 1] not in self.snaps:
             j -= 1
         if j == 0:
-            return Hit(0, [], None)
+            return Hit(0, [], None, depth * self.unit)
         units_per_page = self.page_size // self.unit
         pages = []
         for i in range(j):  # the last hit unit in each page names the page valid for all its units
@@ -98,7 +99,7 @@ class PrefixCache:
         for p in pages:
             self.pool.incref(p)
         self.snaps.move_to_end(hashes[j - 1])
-        return Hit(j * self.unit, pages, self.snaps[hashes[j - 1]].handle)
+        return Hit(j * self.unit, pages, self.snaps[hashes[j - 1]].handle, depth * self.unit)
 
     # ---- registration -------------------------------------------------------------------------------
     def add_page(self, h: int, page: int) -> None:

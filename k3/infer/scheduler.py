@@ -4,7 +4,9 @@ Each `schedule()` call plans one model step within a token budget: running seque
 feeds 1 token, an unfinished prefill its next chunk), then waiting ones while a KDA slot and pages are
 free. With the prefix cache on, a prefill chunk that does not finish the prompt ends on a unit boundary,
 and a prompt always pauses at floor((P-1)/unit)*unit, so the KDA state there can be snapshotted (the
-last prompt token is always recomputed to produce logits). When pages run out, cache-only pages are
+last prompt token is always recomputed to produce logits). A chunk also ends where the cached MLA chain
+outran the deepest snapshot at admission (a junction: a shared prefix that later requests branch from)
+so a snapshot lands there. When pages run out, cache-only pages are
 evicted first, then the newest running sequence is preempted: its memory is freed and it is requeued to
 recompute prompt + output so far (its cached prefix usually comes straight back from the prefix cache).
 """
@@ -100,9 +102,9 @@ class Scheduler:
         u = self.config.prefix_unit
         if n < remaining and (c + n) // u * u > c:
             n = (c + n) // u * u - c
-        last = (len(seq) - 1) // u * u
-        if c < last < c + n:
-            n = last - c
+        for stop in (seq.junction, (len(seq) - 1) // u * u):
+            if c < stop < c + n:
+                n = stop - c
         return n
 
     def _admit(self, seq: Sequence, budget: int, plan: StepPlan) -> bool:
@@ -113,6 +115,7 @@ class Scheduler:
             hashes = chain_hashes(seq.tokens, u, seq.salt, n_units=(len(seq) - 1) // u)
             hit = self.cache.lookup(hashes, len(seq))
             seq.block_table, seq.num_computed = list(hit.pages), hit.length
+            seq.junction = hit.mla_depth if hit.mla_depth > hit.length else 0
             seq.block_hashes = hashes[: hit.length // u]
             if seq.cached_tokens == 0:
                 seq.cached_tokens = hit.length

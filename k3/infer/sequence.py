@@ -69,6 +69,7 @@ class Sequence:
     finish_reason: str | None = None
     text: str = ""  # detokenized output (when the engine has a tokenizer), cut at a stop string
     cached_tokens: int = 0  # prompt tokens served from the prefix cache at admission
+    junction: int = 0  # where the cached MLA chain outruns the snapshots: a chunk ends there
     generator: object = None  # torch.Generator for seeded sampling (set by the engine)
     logprobs: list = field(default_factory=list)  # per output token: (logprob, [(id, logprob), ...])
     prompt_logprobs: list = field(default_factory=list)  # per prompt token from the second on

@@ -108,3 +108,15 @@ def test_lookup_needs_mla_chain_and_snapshot():
     cache.budget_bytes = 10
     cache.add_snapshot(hs, 32, "s32", 10)
     assert cache.snapshot_bytes <= 10
+
+
+def test_junction_snapshot_serves_branches(nano, prompt):
+    """A shared prefix whose MLA pages outrun the snapshots gets a snapshot at the junction."""
+    engine = Engine(nano, cfg(max_prefill_chunk=80))
+    shared = prompt(200, 7)
+    a = engine.generate([shared + prompt(60, 8)], PARAMS)[0]  # snapshots at chunk ends 80, 160, 240, ...
+    b = engine.generate([shared + prompt(60, 9)], PARAMS)[0]  # hits 160; MLA chain reaches 192
+    c = engine.generate([shared + prompt(60, 10)], PARAMS)[0]
+    assert (a.cached_tokens, b.cached_tokens, c.cached_tokens) == (0, 160, 192)
+    off = Engine(nano, cfg(enable_prefix_cache=False))
+    assert c.output == off.generate([shared + prompt(60, 10)], PARAMS)[0].output
