@@ -42,7 +42,8 @@ RECIPES = {"mx": QATRecipe(weight_fmt="mxfp4", act_fmt="mxfp8_e4m3")}
 
 def get_recipe(recipe: str | QATRecipe) -> QATRecipe:
     if isinstance(recipe, QATRecipe):
-        get_format(recipe.weight_fmt), get_format(recipe.act_fmt)  # validate both names
+        for fmt in (recipe.weight_fmt, recipe.act_fmt):
+            get_format(fmt)  # raises ValueError naming an unknown format
         return recipe
     if recipe not in RECIPES:
         raise ValueError(f"recipe={recipe!r} is not a QAT recipe; expected one of {sorted(RECIPES)}")
