@@ -1,0 +1,195 @@
+"""Chunk-parallel (WY / UT) Kimi Delta Attention in batched PyTorch: the training and prefill path.
+
+The sequence is cut into chunks of C tokens. With S the state entering a chunk and the chunk-local
+A_qk, U, W, exp(Γ) Q, exp(Γ_C - Γ) K of `intra.py` (Kimi Linear report Eqs. 2-9):
+
+    V'     = U - W S                                   (pseudo-values)
+    O      = (exp(Γ) Q) S + A_qk V'
+    S_next = diag(exp(Γ_C)) S + (exp(Γ_C - Γ) K)^T V'
+
+The chunk-local work runs as batched matmuls over groups of chunks (all heads at once, a few MB of
+temporaries per group); only the state pass is a Python loop over chunks, three small matmuls each.
+The backward is hand-written (`_ChunkKDA`): it keeps just the inputs, the state entering every chunk
+and V', recomputes the chunk-local tensors group by group, runs the state pass in reverse, and applies
+`intra.local_backward`. Packed documents (`cu_seqlens`) are each padded to a chunk boundary and
+concatenated, and the state pass restarts at every document's first chunk.
+"""
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from k3.ops.kda import varlen
+from k3.ops.kda.decay import pick_sub_chunk
+from k3.ops.kda.intra import Workspace, local_backward, local_factors, local_solve
+from k3.ops.kda.prep import check_inputs, denormals_flushed, doc_lengths
+
+MIN_LOG_DECAY = -60.0  # per-token gates below this (retention < 1e-26) are clamped
+GROUP_MATRICES = 64  # chunk x head matrices per batched chunk-local step
+
+
+def chunk_kda(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    *,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm: bool = True,
+    chunk_size: int = 64,
+    cu_seqlens: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """q, k, g [B, T, H, K]; v [B, T, H, V]; beta [B, T, H]; initial_state [B, H, K, V] fp32
+    (or [N, H, K, V] with cu_seqlens [N+1], B == 1); chunk_size C in {16, 32, 64, 128}.
+
+    Returns o [B, T, H, V] in v's dtype and the final state (fp32 [B or N, H, K, V]) or None.
+    Any T works: the tail is zero-padded (k = g = beta = 0 leaves the state unchanged).
+    """
+    check_inputs(q, k, v, g, beta, initial_state, cu_seqlens, chunk_size)
+    dtype, C = v.dtype, chunk_size
+    B, T, H, K = q.shape
+    x = [t.float() for t in (q, k, v, g, beta)]  # the L2 norm and scale run inside, per group of chunks
+    if float(x[3].detach().min()) < MIN_LOG_DECAY:
+        x[3] = x[3].clamp(min=MIN_LOG_DECAY)
+    h0 = None if initial_state is None else initial_state.float()
+    if cu_seqlens is None:
+        total = -(-T // C) * C
+        if total != T:
+            x = [F.pad(t, (0, 0) * (t.dim() - 2) + (0, total - T)) for t in x]
+        segments = ((0, total // C),)
+        h0 = None if h0 is None else h0.reshape(1, B * H, *h0.shape[2:])
+    else:
+        lengths = doc_lengths(cu_seqlens)
+        starts, total = varlen.padded_starts(lengths, C)
+        index = varlen.token_index(lengths, starts, q.device)
+        x = [varlen.scatter_tokens(t[0], index, total)[None] for t in x]
+        segments = tuple((s // C, -(-(s + n) // C)) for s, n in zip(starts, lengths, strict=True))
+    chunks = [_to_chunks(t, C) for t in x]
+    keep = torch.is_grad_enabled() and any(t.requires_grad for t in [*chunks, h0] if t is not None)
+    scale = K**-0.5 if scale is None else float(scale)
+    group = max(1, GROUP_MATRICES // (B * H))
+    plan = _Plan(segments, pick_sub_chunk(chunks[3]), group, keep, scale, use_qk_l2norm)
+    o, finals = _ChunkKDA.apply(*chunks, h0, plan)
+    o = o.unflatten(1, (-1, H)).permute(1, 0, 3, 2, 4).reshape(-1, total, H, o.shape[-1])  # [B, total, H, V]
+    if cu_seqlens is None:
+        o, final = o[:, :T], finals.view(B, H, *finals.shape[2:])
+    else:
+        o, final = varlen.gather_tokens(o[0], index)[None], finals
+    return o.to(dtype), final if output_final_state else None
+
+
+def _to_chunks(x: torch.Tensor, C: int) -> torch.Tensor:
+    """[B, T, H, *] -> [T/C, B*H, C, *] contiguous: chunk-major, so a run of chunks is one dense slice."""
+    x = x.unflatten(1, (-1, C)).movedim(3, 2).movedim(1, 0)  # [NC, B, H, C, *]
+    return x.flatten(1, 2).contiguous()
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """segments: (first, end) chunk of each independent sequence; sub: sub-chunk size; group: chunks per
+    batched chunk-local step; keep: save what the backward needs; scale, l2norm: the q/k normalisation."""
+
+    segments: tuple[tuple[int, int], ...]
+    sub: int
+    group: int
+    keep: bool
+    scale: float
+    l2norm: bool
+    first: dict = field(init=False)
+    last: dict = field(init=False)
+
+    def __post_init__(self):
+        object.__setattr__(self, "first", {a: i for i, (a, _) in enumerate(self.segments)})
+        object.__setattr__(self, "last", {b - 1: i for i, (_, b) in enumerate(self.segments)})
+
+    def groups(self, n_chunks: int) -> list[tuple[int, int]]:
+        return [(c, min(c + self.group, n_chunks)) for c in range(0, n_chunks, self.group)]
+
+
+class _ChunkKDA(torch.autograd.Function):
+    """Raw fp32 q, k, g [NC, BH, C, K]; v [NC, BH, C, V]; beta [NC, BH, C]; h0 [N, BH, K, V] or None
+    -> (o [NC, BH, C, V], final states [N, BH, K, V]), N = number of segments."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, h0, plan):
+        with denormals_flushed():
+            o, saved, finals = _forward(q, k, v, g, beta, h0, plan)
+        if plan.keep:
+            ctx.save_for_backward(q, k, v, g, beta, *saved)
+            ctx.plan, ctx.has_h0 = plan, h0 is not None
+        return o, finals
+
+    @staticmethod
+    def backward(ctx, do, dfinals):
+        with denormals_flushed():
+            return (*_backward(*ctx.saved_tensors, do, dfinals, ctx.plan, ctx.has_h0), None)
+
+
+def _forward(q, k, v, g, beta, h0, plan):
+    """State pass over chunk groups -> (o, saved for the backward or (), finals)."""
+    NC, BH, C, K = q.shape
+    V = v.shape[-1]
+    o, v_new = v.new_empty(NC, BH, C, V), v.new_empty(NC, BH, C, V)
+    finals = q.new_empty(len(plan.segments), BH, K, V)
+    if plan.keep:  # the state entering each chunk, V', and the chunk-local matmul results
+        saved = [q.new_empty(NC, BH, K, V), v_new, q.new_empty(NC, BH, C, C), q.new_empty(NC, BH, C, C)]
+        saved.append(q.new_empty(NC, BH, C, V + K))
+    ws, S = Workspace(), None
+    for c0, c1 in plan.groups(NC):
+        M = (c1 - c0) * BH
+        x = [t[c0:c1].flatten(0, 1) for t in (q, k, v, g, beta)]
+        loc = local_factors(x[0], x[1], x[3], x[4], plan.sub, plan.scale, plan.l2norm, ws)
+        if plan.keep:
+            A_qk, A_kk, X = (t[c0:c1].flatten(0, 1) for t in saved[2:])
+        else:
+            A_qk, A_kk = ws.get("A_qk", q, M, C, C), ws.get("A_kk", q, M, C, C)
+            X = ws.get("X", q, M, C, V + K)
+        local_solve(loc, x[2], x[4], A_qk, A_kk, X, ws)
+        U, W = X[..., :V], X[..., V:]
+        states = saved[0][c0:c1] if plan.keep else ws.get("states", q, c1 - c0, BH, K, V)
+        for c in range(c0, c1):
+            if c in plan.first:
+                S = q.new_zeros(BH, K, V) if h0 is None else h0[plan.first[c]]
+            states[c - c0] = S
+            i = slice((c - c0) * BH, (c - c0 + 1) * BH)
+            torch.baddbmm(U[i], W[i], S, alpha=-1, out=v_new[c])  # V' = U - W S
+            S = (S * loc.f.decay[i, :, None]).baddbmm_(loc.k_dec[i].mT, v_new[c])
+            if c in plan.last:
+                finals[plan.last[c]] = S
+        o_g = torch.bmm(loc.qg, states.flatten(0, 1), out=o[c0:c1].flatten(0, 1))
+        o_g.baddbmm_(A_qk, v_new[c0:c1].flatten(0, 1))
+    return o, saved if plan.keep else (), finals
+
+
+def _backward(q, k, v, g, beta, states, v_new, A_qk, A_kk, X, do, dfinals, plan, has_h0):
+    NC, BH, C, K = q.shape
+    V = v.shape[-1]
+    do = v.new_zeros(NC, BH, C, V) if do is None else do.contiguous()
+    grads = [torch.empty_like(t) for t in (q, k, v, g, beta)]
+    dh0 = q.new_zeros(len(plan.segments), BH, K, V) if has_h0 else None
+    ws, dS = Workspace(), None
+    for c0, c1 in reversed(plan.groups(NC)):
+        group = (q, k, v, g, beta, states, v_new, A_qk, A_kk, X, do)
+        q_, k_, v_, g_, beta_, S_, vn_, A_qk_, A_kk_, X_, do_ = (t[c0:c1].flatten(0, 1) for t in group)
+        loc = local_factors(q_, k_, g_, beta_, plan.sub, plan.scale, plan.l2norm, ws)
+        W = X_[..., V:]
+        dv_new = torch.bmm(A_qk_.mT, do_)  # A_qk^T dO; the state term is added below
+        dS_out = torch.bmm(loc.qg.mT, do_)  # (exp(Γ) Q)^T dO, the output's pull on the entering state
+        dS_next = q.new_empty(dv_new.shape[0], K, V)
+        for c in reversed(range(c0, c1)):
+            if c in plan.last:
+                dS = q.new_zeros(BH, K, V) if dfinals is None else dfinals[plan.last[c]]
+            i = slice((c - c0) * BH, (c - c0 + 1) * BH)
+            dS_next[i] = dS
+            dv_new[i].baddbmm_(loc.k_dec[i], dS)
+            dS = (dS * loc.f.decay[i, :, None]).add_(dS_out[i]).baddbmm_(W[i].mT, dv_new[i], alpha=-1)
+            if dh0 is not None and c in plan.first:
+                dh0[plan.first[c]] = dS
+        local = local_backward(loc, q_, k_, v_, beta_, A_kk_, X_, S_, dS_next, vn_, dv_new, do_, ws)
+        for dst, src in zip(grads, local, strict=True):
+            dst[c0:c1] = src.view(c1 - c0, BH, *src.shape[1:])
+    return (*grads, dh0)

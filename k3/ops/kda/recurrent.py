@@ -1,0 +1,60 @@
+"""KDA recurrence vectorised over batch and heads: the decode path (T is usually 1).
+
+Same maths and signature as `naive_recurrent_kda`; each step is a handful of elementwise ops on the fp32
+state (the mat-vecs are multiply + reduce: memory-bound either way, and no per-token BLAS dispatch).
+Packed documents (`cu_seqlens`) are laid out one per row ([N, T_max], zero-padded at the end, which
+leaves each final state exact) so all documents advance together.
+"""
+
+import torch
+
+from k3.ops.kda import varlen
+from k3.ops.kda.prep import check_inputs, doc_lengths, prepare
+
+
+def recurrent_kda(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    *,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm: bool = True,
+    cu_seqlens: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """q, k, g [B, T, H, K]; v [B, T, H, V]; beta [B, T, H]; initial_state [B, H, K, V] fp32
+    (or [N, H, K, V] with cu_seqlens [N+1], B == 1).
+
+    Returns o [B, T, H, V] in v's dtype and the final state (fp32 [B or N, H, K, V]) or None.
+    """
+    check_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
+    dtype = v.dtype
+    q, k, v, g, beta = prepare(q, k, v, g, beta, scale, use_qk_l2norm)
+    if cu_seqlens is None:
+        o, state = _recurrence(q, k, v, g, beta, initial_state)
+    else:
+        lengths = doc_lengths(cu_seqlens)
+        n, t_max = len(lengths), max(lengths)
+        index = varlen.token_index(lengths, [i * t_max for i in range(n)], q.device)
+        rows = [varlen.scatter_tokens(x[0], index, n * t_max) for x in (q, k, v, g, beta)]
+        o, state = _recurrence(*(x.unflatten(0, (n, t_max)) for x in rows), initial_state)
+        o = varlen.gather_tokens(o.flatten(0, 1), index)[None]
+    return o.to(dtype), state if output_final_state else None
+
+
+def _recurrence(q, k, v, g, beta, initial_state):
+    """fp32 q, k, g [B, T, H, K], v [B, T, H, V], beta [B, T, H] -> (o [B, T, H, V], S [B, H, K, V])."""
+    B, T, H, K = q.shape
+    S = q.new_zeros(B, H, K, v.shape[-1]) if initial_state is None else initial_state.float()
+    decay, beta = g.exp()[..., None], beta[..., None]
+    outs = []
+    for t in range(T):
+        k_t = k[:, t, :, :, None]  # [B, H, K, 1]
+        S = S * decay[:, t]
+        u = beta[:, t] * (v[:, t] - (S * k_t).sum(-2))  # [B, H, V]
+        S = S.addcmul(k_t, u[:, :, None, :])
+        outs.append((S * q[:, t, :, :, None]).sum(-2))
+    return torch.stack(outs, 1), S
