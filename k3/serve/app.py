@@ -124,7 +124,10 @@ def create_app(engine: AsyncEngine, cfg: ServeConfig) -> FastAPI:
         max_tokens = _fit(len(prompt), req.max_completion_tokens or req.max_tokens, cfg.max_model_len, 1)
         top = (req.top_logprobs or 0) if req.logprobs else None
         agen, first = await start(prompt, _params(req, max_tokens, logprobs=top), salt)
-        rid, ctx = new_id("chatcmpl"), (tok, cfg.served_model_name, len(prompt), opts.thinking)
+        rid, ctx = (
+            new_id("chatcmpl"),
+            (tok, cfg.served_model_name, len(prompt), opts.thinking, req.stop_list()),
+        )
         if req.stream:
             include = bool((req.stream_options or {}).get("include_usage"))
             return StreamingResponse(
@@ -247,7 +250,7 @@ async def _collect(agen, first):
 
 
 async def _chat_full(agen, first, rid, ctx, want_logprobs: bool):
-    tok, model, n_prompt, thinking = ctx
+    tok, model, n_prompt, thinking, _ = ctx
     tokens, lps, last = await _collect(agen, first)
     parsed = parse_generation(last.text, thinking)
     message = {
@@ -265,7 +268,7 @@ async def _chat_full(agen, first, rid, ctx, want_logprobs: bool):
 
 
 async def _chat_stream(agen, first, rid, ctx, include_usage: bool):
-    tok, model, n_prompt, thinking = ctx
+    tok, model, n_prompt, thinking, stops = ctx
     yield R.sse(R.chat_chunk(rid, model, {"role": "assistant", "content": ""}))
     sent = {"reasoning_content": "", "content": ""}
     n_out = 0
@@ -274,7 +277,7 @@ async def _chat_stream(agen, first, rid, ctx, include_usage: bool):
             yield R.sse(error_body("engine failure", "server_error"))
             break
         n_out += len(ev.new_tokens)
-        parsed = parse_generation(ev.text, thinking)
+        parsed = parse_generation(ev.text if ev.finished else _stable(ev.text, stops), thinking)
         delta = {}
         for key in sent:
             if len(parsed[key]) > len(sent[key]) and parsed[key].startswith(sent[key]):
