@@ -2,7 +2,7 @@
 
 Both models are random-init from one K3 config (HF gets `config.to_hf()` with hidden_act=silu, since
 SiTU is ours; it has no AttnRes and full-width experts, so its parameter count differs -- printed).
-Measured on the same inputs, after one warm-up each:
+Measured on the same inputs, best of 3 after a warm-up:
 * prefill tokens/s at batch 1 (k3: a max_tokens=1 request without prefix cache; HF: one forward with
   use_cache=True);
 * decode tokens/s at batch 1 (generation time minus the prefill time, over N new tokens);
@@ -36,12 +36,15 @@ def build(name: str, dtype: torch.dtype, device: str):
     return k3.to(device, dtype).eval(), hf.to(device, dtype).eval(), config
 
 
-def timed(fn, repeat: int = 1) -> float:
-    fn()  # warm-up
-    t0 = time.perf_counter()
+def timed(fn, repeat: int = 3) -> float:
+    """Best of `repeat` runs after a warm-up (the least disturbed by other load on the machine)."""
+    fn()
+    best = float("inf")
     for _ in range(repeat):
+        t0 = time.perf_counter()
         fn()
-    return (time.perf_counter() - t0) / repeat
+        best = min(best, time.perf_counter() - t0)
+    return best
 
 
 def k3_run(model, prompts, new: int, max_len: int) -> None:
