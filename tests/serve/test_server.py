@@ -5,8 +5,11 @@ import time
 import urllib.error
 import urllib.request
 
-import openai
 import pytest
+
+openai = pytest.importorskip("openai")  # the `serve` + `test` extras
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
 
 MODEL = "kimi-k3"
 CHAT = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "the quick brown fox"}]
