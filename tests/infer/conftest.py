@@ -8,8 +8,8 @@ from k3.model.init import init_weights
 from k3.model.transformer import K3ForCausalLM
 
 
-@pytest.fixture(autouse=True, scope="session")
-def _one_thread():
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():  # restored after each module, so other test directories keep their thread count
     n = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
