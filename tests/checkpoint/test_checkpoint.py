@@ -156,7 +156,8 @@ def _packed_official(sd, config):
 
 
 def test_mxfp4_experts_are_dequantized_on_load():
-    mx = pytest.importorskip("k3.quant.mx")
+    import k3.quant.mx as mx
+
     sd = fake_state_dict(NANO)
     off = _packed_official(sd, NANO)
     packed = off["language_model.model.layers.1.block_sparse_moe.experts.0.w1.weight_packed"]
@@ -174,7 +175,6 @@ def test_mxfp4_experts_are_dequantized_on_load():
 
 
 def test_mxfp4_without_k3_quant_is_a_clear_error(monkeypatch):
-    pytest.importorskip("k3.quant.mx")
     off = _packed_official(fake_state_dict(NANO), NANO)
     monkeypatch.setitem(sys.modules, "k3.quant.mx", None)  # makes `from k3.quant.mx import ...` fail
     with pytest.raises(ValueError, match="packed MXFP4 checkpoints are loaded by k3.quant"):

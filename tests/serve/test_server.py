@@ -5,11 +5,8 @@ import time
 import urllib.error
 import urllib.request
 
+import openai  # the `test` extra installs it with the `serve` extras
 import pytest
-
-openai = pytest.importorskip("openai")  # the `serve` + `test` extras
-pytest.importorskip("fastapi")
-pytest.importorskip("uvicorn")
 
 MODEL = "kimi-k3"
 CHAT = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "the quick brown fox"}]

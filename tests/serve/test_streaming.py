@@ -3,12 +3,8 @@
 import asyncio
 import json
 
-import pytest
-
-pytest.importorskip("fastapi")  # the `serve` extra
-
-from k3.infer.async_engine import Event  # noqa: E402
-from k3.serve.app import _chat_stream, _stable  # noqa: E402
+from k3.infer.async_engine import Event
+from k3.serve.app import _chat_stream, _stable
 
 
 def test_stable_holds_back_partial_characters_and_stop_prefixes():
