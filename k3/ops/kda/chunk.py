@@ -8,11 +8,12 @@ A_qk, U, W, exp(Γ) Q, exp(Γ_C - Γ) K of `intra.py` (Kimi Linear report Eqs. 2
     S_next = diag(exp(Γ_C)) S + (exp(Γ_C - Γ) K)^T V'
 
 The chunk-local work runs as batched matmuls over groups of chunks (all heads at once, a few MB of
-temporaries per group); only the state pass is a Python loop over chunks, three small matmuls each.
-The backward is hand-written (`_ChunkKDA`): it keeps just the inputs, the state entering every chunk
-and V', recomputes the chunk-local tensors group by group, runs the state pass in reverse, and applies
-`intra.local_backward`. Packed documents (`cu_seqlens`) are each padded to a chunk boundary and
-concatenated, and the state pass restarts at every document's first chunk.
+reused scratch per group); only the state pass is a Python loop over chunks, two small matmuls each.
+The backward is hand-written (`_ChunkKDA`): it keeps the inputs, the state entering every chunk, V' and
+the chunk-local matmul results (A_qk, A_kk, [U | W]), recomputes the elementwise factors group by group,
+runs the state pass in reverse and applies `intra.local_backward`. Everything runs with denormals
+flushed (`scratch.py`). Packed documents (`cu_seqlens`) are each padded to a chunk boundary and
+concatenated; the state pass restarts at every document's first chunk.
 """
 
 from dataclasses import dataclass, field
@@ -22,8 +23,9 @@ import torch.nn.functional as F
 
 from k3.ops.kda import varlen
 from k3.ops.kda.decay import pick_sub_chunk
-from k3.ops.kda.intra import Workspace, local_backward, local_factors, local_solve
-from k3.ops.kda.prep import check_inputs, denormals_flushed, doc_lengths
+from k3.ops.kda.intra import local_backward, local_factors, local_solve
+from k3.ops.kda.prep import check_inputs, doc_lengths
+from k3.ops.kda.scratch import Workspace, denormals_flushed
 
 MIN_LOG_DECAY = -60.0  # per-token gates below this (retention < 1e-26) are clamped
 GROUP_MATRICES = 64  # chunk x head matrices per batched chunk-local step

@@ -25,6 +25,8 @@ from functools import lru_cache
 
 import torch
 
+from k3.ops.kda.scratch import Workspace
+
 SUB_CHUNK = 16
 MAX_SUB_DECAY = 80.0
 EXP_FLOOR = -80.0  # e^-80 ~ 1.8e-35 is still a normal fp32 number
@@ -61,14 +63,15 @@ def pick_sub_chunk(g: torch.Tensor) -> int:
     return sub
 
 
-def decay_factors(g: torch.Tensor, sub: int) -> DecayFactors:
+def decay_factors(g: torch.Tensor, sub: int, ws: Workspace) -> DecayFactors:
     """g: per-token log decay [M, C, K] (<= 0) -> DecayFactors for sub-chunks of `sub` tokens."""
     M, C, K = g.shape
     n = C // sub
-    gin = g.view(M, n, sub, K).cumsum(-2)  # in-sub-chunk inclusive cumsum
+    buf = lambda name: ws.get(name, g, M, n, sub, K)
+    gin = torch.cumsum(g.view(M, n, sub, K), -2, out=buf("gin"))  # in-sub-chunk inclusive cumsum
     tot = gin[:, :, -1, :]  # [M, n, K] = -D
-    c = torch.sub(tot[:, :, None, :], gin).exp_()
-    rc = torch.mul(tot, 0.5).exp_()[:, :, None, :] / c
+    c = torch.sub(tot[:, :, None, :], gin, out=buf("c")).exp_()
+    rc = torch.reciprocal(c, out=buf("rc")).mul_(torch.mul(tot, 0.5).exp_()[:, :, None, :])
     m = _block_masks(n, g.device)
     P_exp = (m.between @ tot).view(M, n, n, K) + m.coef[:, :, None] * tot[:, :, None, :] + m.above[:, :, None]
     mid_exp = m.before @ tot + 0.5 * tot

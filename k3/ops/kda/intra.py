@@ -21,19 +21,7 @@ import torch
 
 from k3.ops.kda.decay import DecayFactors, decay_factors, decay_factors_backward
 from k3.ops.kda.prep import L2NORM_EPS
-
-
-class Workspace:
-    """Named scratch buffers reused across groups of chunks (a new shape allocates a new buffer)."""
-
-    def __init__(self):
-        self._bufs: dict[str, torch.Tensor] = {}
-
-    def get(self, name: str, like: torch.Tensor, *shape: int) -> torch.Tensor:
-        t = self._bufs.get(name)
-        if t is None or t.shape != shape:
-            t = self._bufs[name] = like.new_empty(shape)
-        return t
+from k3.ops.kda.scratch import Workspace
 
 
 @dataclass
@@ -57,8 +45,9 @@ def local_factors(q, k, g, beta, sub: int, scale: float, l2norm: bool, ws: Works
     backward need, without matmuls)."""
     M, C, K = q.shape
     n = C // sub
-    qn, kn = _normalise(q, l2norm, scale), _normalise(k, l2norm, 1.0)
-    f = decay_factors(g, sub)
+    qn = _normalise(q, l2norm, scale, ws.get("qn", q, M, C, K))
+    kn = _normalise(k, l2norm, 1.0, ws.get("kn", q, M, C, K))
+    f = decay_factors(g, sub, ws)
     rows = ws.get("rows", q, M, n, 2, sub, K)
     torch.mul(qn.view(M, n, sub, K), f.rc, out=rows[:, :, 0])
     torch.mul(kn.view(M, n, sub, K), beta.view(M, n, sub, 1), out=rows[:, :, 1]).mul_(f.rc)
@@ -106,19 +95,23 @@ def local_backward(loc: ChunkLocal, q, k, v, beta, A_kk, X, S, dS_next, v_new, d
     torch.mul(torch.bmm(dX, X.mT).view(M, n, s, C), strict_neg, out=dA[:, :, 1])
     dR_v, dkbg = dX[..., :V], dX[..., V:].unflatten(1, (n, s))
     dA3 = dA.view(M * n, 2 * s, C)
-    drows = torch.bmm(dA3, loc.cols.view(M * n, C, K)).view(M, n, 2, s, K)
-    dcols = torch.bmm(dA3.mT, loc.rows.view(M * n, 2 * s, K)).view(M, n, n, s, K)
+    drows = torch.bmm(dA3, loc.cols.view(M * n, C, K), out=ws.get("drows", q, M * n, 2 * s, K))
+    drows = drows.view(M, n, 2, s, K)
+    dcols = torch.bmm(dA3.mT, loc.rows.view(M * n, 2 * s, K), out=ws.get("dcols", q, M * n, C, K))
+    dcols = dcols.view(M, n, n, s, K)
     # qg = rows_q * e_mid and beta exp(Γ) k = rows_k * e_mid
-    dqg, e_mid = torch.bmm(do, S.mT).view(M, n, s, K), f.e_mid[:, :, None]
+    dqg = torch.bmm(do, S.mT, out=ws.get("dqg", q, M, C, K)).view(M, n, s, K)
+    e_mid = f.e_mid[:, :, None]
     dmid_exp = (loc.rows[:, :, 0] * dqg).add_(loc.rows[:, :, 1] * dkbg).sum(2).mul_(f.e_mid)
     drows[:, :, 0].addcmul_(dqg, e_mid)
     drows[:, :, 1].addcmul_(dkbg, e_mid)
     drc_exp = (loc.rows * drows).sum(2)
     drows *= f.rc[:, :, None]  # -> (dq_n, d(beta k_n))
     # cols = (k c) * P
-    dP_exp = (dcols * loc.cols.view(M, n, n, s, K)).sum(3)
-    dkc = (dcols * f.P[:, :, :, None]).sum(1)
-    dk_dec = torch.bmm(v_new, dS_next.mT).view(M, n, s, K)
+    prod = ws.get("prod", q, M, n, n, s, K)
+    dP_exp = torch.mul(dcols, loc.cols.view(M, n, n, s, K), out=prod).sum(3)
+    dkc = torch.mul(dcols, f.P[:, :, :, None], out=prod).sum(1)
+    dk_dec = torch.bmm(v_new, dS_next.mT, out=ws.get("dk_dec", q, M, C, K)).view(M, n, s, K)
     dtail_exp = (dk_dec * loc.k_dec.view(M, n, s, K)).sum(2)
     dkc.addcmul_(dk_dec, f.e_tail[:, :, None])
     dkb = drows[:, :, 1]
@@ -131,18 +124,18 @@ def local_backward(loc: ChunkLocal, q, k, v, beta, A_kk, X, S, dS_next, v_new, d
     return dq, dk, dR_v * beta[..., None], dg, dbeta
 
 
-def _normalise(x: torch.Tensor, l2norm: bool, scale: float) -> torch.Tensor:
+def _normalise(x: torch.Tensor, l2norm: bool, scale: float, out: torch.Tensor) -> torch.Tensor:
     """scale * x / sqrt(sum_K x^2 + 1e-6) (or just scale * x)."""
-    if not l2norm:
-        return x * scale
-    return x * _inv_norm(x).mul_(scale)
+    return torch.mul(x, _inv_norm(x).mul_(scale) if l2norm else scale, out=out)
 
 
 def _normalise_backward(x, y, dy, l2norm: bool, scale: float) -> torch.Tensor:
     """y = scale * x * r with r = (|x|^2 + eps)^-1/2:  dx = r (scale dy - (y / scale) (y . dy))."""
     if not l2norm:
         return dy * scale
-    return (dy * scale - y * ((y * dy).sum(-1, keepdim=True) / scale)) * _inv_norm(x)
+    r = _inv_norm(x)
+    yy = (y * dy).sum(-1, keepdim=True).mul_(r).mul_(-1 / scale)
+    return torch.mul(dy, r.mul_(scale)).addcmul_(y, yy)
 
 
 def _inv_norm(x: torch.Tensor) -> torch.Tensor:

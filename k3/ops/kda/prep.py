@@ -4,8 +4,6 @@ All KDA maths runs in fp32 whatever the input dtype: q and k are L2-normalised o
 x / sqrt(sum x^2 + 1e-6) (the fla in-kernel norm), then q is multiplied by `scale` (K**-0.5 by default).
 """
 
-from contextlib import contextmanager
-
 import torch
 
 L2NORM_EPS = 1e-6
@@ -82,20 +80,3 @@ def doc_lengths(cu_seqlens: torch.Tensor) -> list[int]:
     """cu_seqlens [N+1] -> the N document lengths."""
     cu = cu_seqlens.tolist()
     return [b - a for a, b in zip(cu[:-1], cu[1:], strict=True)]
-
-
-@contextmanager
-def denormals_flushed():
-    """Flush denormals to zero (this thread) for the duration, restoring the previous mode.
-
-    Strong decays make many products fall below fp32's normal range (~1e-38); they are negligible, but
-    LAPACK's triangular solve runs several times slower on denormal operands.
-    """
-    was_on = float(torch.full((), 1e-40) * 1.0) == 0.0  # a denormal survives unless flushing is on
-    if not was_on:
-        torch.set_flush_denormal(True)
-    try:
-        yield
-    finally:
-        if not was_on:
-            torch.set_flush_denormal(False)
