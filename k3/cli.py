@@ -26,6 +26,10 @@ class Command:
 
 COMMANDS: tuple[Command, ...] = (
     Command("params", "k3.params", "count total and active parameters of a config, by component"),
+    Command("train", "k3.train.cli", "train a K3 model (default: k3-tiny on the stdlib, 10 minutes on CPU)"),
+    Command("eval", "k3.train.cli", "validation loss and bits per byte of a checkpoint"),
+    Command("sample", "k3.train.cli", "sample text from a checkpoint"),
+    Command("ablate", "k3.train.cli", "train K3 recipe variants at equal tokens and seeds; table + plot"),
     Command("plan", "k3.plan", "per-GPU memory plan for training and serving a config on G GPUs"),
     Command("export", "k3.parallel.dcp", "consolidate a DCP training checkpoint to the official layout"),
     Command("serve", "k3.serve.cli", "OpenAI-compatible HTTP server on the inference engine"),

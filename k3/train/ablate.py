@@ -1,0 +1,204 @@
+"""`k3 ablate`: the K3 recipe against the K2 recipe and every single K3 component swapped back.
+
+Each variant is a TrainConfig change (model switches from k3/config.py, or an optimizer switch); every
+variant trains for the same steps on the same batches (same seeds) and is scored by validation bits per
+byte. Results: ``<out>/results.jsonl`` (one line per run; an interrupted sweep skips finished runs when
+restarted with the same --out), ``<out>/ablations.md`` (mean ± sample std over seeds) and
+``<out>/ablations.png``.
+
+| variant            | change from the K3 recipe                                                  |
+|--------------------|----------------------------------------------------------------------------|
+| K3                 | --                                                                         |
+| K2                 | all of the rows below except AdamW: RoPE MLA, sign-update bias, SwiGLU,    |
+|                    | plain residual, plain MoE, whole-matrix Muon                               |
+| -NoPE              | mla_use_nope=False (RoPE on the MLA rope dims)                             |
+| -QB                | bias_update="sign" (DeepSeek-V3 aux-loss-free sign update)                 |
+| -SiTU              | hidden_act="silu" (SwiGLU)                                                 |
+| -AttnRes           | use_attn_res=False (plain pre-norm residual)                               |
+| -LatentMoE         | use_latent_moe=False (experts at full width)                               |
+| -PerHeadMuon       | per_head=False (whole-matrix Muon)                                         |
+| AdamW              | optimizer="adamw" (AdamW for every parameter)                              |
+
+The default budget (k3-nano-sized model with a 2048-token vocabulary, 300 steps of 8 x 128 tokens,
+3 seeds, 9 variants) takes about half an hour on 2 CPU cores; --steps / --seeds / --preset scale it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import time
+from pathlib import Path
+
+from k3.train.config import K2_MODEL, TrainConfig
+
+VARIANTS: dict[str, tuple[str, dict, dict]] = {  # name -> (description, model overrides, train overrides)
+    "K3": ("the K3 recipe", {}, {}),
+    "K2": ("K2 recipe (all swaps below but AdamW)", K2_MODEL, {"per_head": False}),
+    "-NoPE": ("RoPE MLA instead of NoPE", {"mla_use_nope": False}, {}),
+    "-QB": ("sign-update bias instead of Quantile Balancing", {"bias_update": "sign"}, {}),
+    "-SiTU": ("SwiGLU instead of SiTU-GLU", {"hidden_act": "silu"}, {}),
+    "-AttnRes": ("plain residual instead of Block AttnRes", {"use_attn_res": False}, {}),
+    "-LatentMoE": ("plain MoE instead of LatentMoE", {"use_latent_moe": False}, {}),
+    "-PerHeadMuon": ("whole-matrix Muon instead of Per-Head Muon", {}, {"per_head": False}),
+    "AdamW": ("AdamW instead of Muon", {}, {"optimizer": "adamw"}),
+}
+
+
+def ablation_base(**changes) -> TrainConfig:
+    """The shared recipe of every variant (before its own switches)."""
+    base = TrainConfig(
+        preset="k3-nano",
+        vocab_size=2048,
+        steps=300,
+        minutes=None,
+        seq_len=128,
+        batch_size=8,
+        warmup_steps=15,
+        eval_every=0,
+        eval_tokens=65536,
+        save_every=0,
+        keep=1,
+        sample_tokens=0,
+        log_every=50,
+    )
+    return base.replace(**changes)
+
+
+def variant_config(base: TrainConfig, name: str, seed: int, out: Path) -> TrainConfig:
+    _, model, train = VARIANTS[name]
+    return base.replace(
+        model_overrides={**base.model_overrides, **model},
+        seed=seed,
+        out=str(out / "runs" / f"{name.lstrip('-')}-seed{seed}"),
+        **train,
+    )
+
+
+def _done(results_path: Path) -> dict[tuple[str, int], dict]:
+    if not results_path.exists():
+        return {}
+    recs = [json.loads(ln) for ln in results_path.read_text().splitlines() if ln.strip()]
+    return {(r["variant"], r["seed"]): r for r in recs}
+
+
+def run_ablation(
+    base: TrainConfig, variants: list[str], seeds: list[int], out: Path, log=print
+) -> list[dict]:
+    """Train every (variant, seed) not already in results.jsonl; returns all result records."""
+    from k3.train.trainer import Trainer
+
+    out.mkdir(parents=True, exist_ok=True)
+    results_path = out / "results.jsonl"
+    done = _done(results_path)
+    for seed in seeds:
+        for name in variants:
+            if (name, seed) in done:
+                continue
+            t0 = time.perf_counter()
+            summary = Trainer(variant_config(base, name, seed, out), quiet=True).run(measure_peak=False)
+            rec = {
+                "variant": name,
+                "seed": seed,
+                "val_bpb": summary["val_bpb"],
+                "val_loss": summary["val_loss"],
+                "tokens": summary["tokens"],
+                "tok_per_s": summary["tok_per_s"],
+                "params": summary["params"],
+                "skipped_steps": summary["skipped_steps"],
+                "seconds": time.perf_counter() - t0,
+            }
+            with results_path.open("a") as f:
+                f.write(json.dumps(rec) + "\n")
+            done[(name, seed)] = rec
+            log(f"{name:>13} seed {seed}: val bpb {rec['val_bpb']:.4f}  ({rec['seconds']:.0f} s)")
+    return [done[(n, s)] for n in variants for s in seeds if (n, s) in done]
+
+
+def _stats(values: list[float]) -> tuple[float, float]:
+    return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else math.nan)
+
+
+def results_table(results: list[dict], variants: list[str]) -> str:
+    """Markdown table: variant, change, val bpb mean ± std, delta to K3, seeds, params."""
+    by = {n: [r for r in results if r["variant"] == n] for n in variants}
+    ref = _stats([r["val_bpb"] for r in by.get("K3", [])])[0] if by.get("K3") else math.nan
+    lines = [
+        "| variant | change | val bpb (mean ± std) | Δ vs K3 | seeds | params |",
+        "|---|---|---|---|---|---|",
+    ]
+    for n in variants:
+        rs = by[n]
+        if not rs:
+            continue
+        mean, std = _stats([r["val_bpb"] for r in rs])
+        delta = "—" if n == "K3" or math.isnan(ref) else f"{mean - ref:+.4f}"
+        lines.append(
+            f"| {n} | {VARIANTS[n][0]} | {mean:.4f} ± {std:.4f} | {delta} | {len(rs)} | "
+            f"{rs[0]['params'] / 1e6:.2f} M |"
+        )
+    return "\n".join(lines)
+
+
+def plot_results(results: list[dict], variants: list[str], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [n for n in variants if any(r["variant"] == n for r in results)]
+    stats = [_stats([r["val_bpb"] for r in results if r["variant"] == n]) for n in names]
+    fig, ax = plt.subplots(figsize=(8, 4), dpi=110)
+    ax.bar(
+        names,
+        [m for m, _ in stats],
+        yerr=[0 if math.isnan(s) else s for _, s in stats],
+        capsize=4,
+        color=["tab:green" if n == "K3" else "tab:gray" for n in names],
+    )
+    lo = min(m for m, _ in stats)
+    ax.set_ylim(lo * 0.97, max(m for m, _ in stats) * 1.02)
+    ax.set_ylabel("val bits / byte (lower is better)")
+    ax.tick_params(axis="x", rotation=30)
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+# ---- CLI -------------------------------------------------------------------------------------------
+
+
+def add_ablate_arguments(p: argparse.ArgumentParser) -> None:
+    p.description = "Train K3 recipe variants at equal tokens and seeds; write a table and a plot."
+    p.add_argument("--out", default=None, help="output directory (default runs/ablate-<timestamp>)")
+    p.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--preset", default=None, help="model preset (default k3-nano)")
+    p.add_argument("--vocab-size", type=int, default=None, help="default 2048")
+    p.add_argument("--data", default=None, help="corpus (default: the stdlib)")
+    p.add_argument("--steps", type=int, default=None, help="steps per run (default 300)")
+    p.add_argument("--seq-len", type=int, default=None)
+    p.add_argument("--batch-size", type=int, default=None)
+    p.add_argument("--lr", type=float, default=None)
+    p.add_argument("--threads", type=int, default=None)
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    from datetime import datetime
+
+    keys = ("preset", "vocab_size", "data", "steps", "seq_len", "batch_size", "lr", "threads")
+    base = ablation_base(**{k: getattr(args, k) for k in keys if getattr(args, k) is not None})
+    out = Path(args.out or f"runs/ablate-{datetime.now().strftime('%Y%m%d-%H%M%S')}")
+    results = run_ablation(base, args.variants, args.seeds, out)
+    table = results_table(results, args.variants)
+    setup = (
+        f"{base.preset} (vocab {base.vocab_size}), {base.steps} steps x {base.batch_size} x {base.seq_len} "
+        f"tokens, seeds {args.seeds}, data {base.data or 'stdlib'}"
+    )
+    (out / "ablations.md").write_text(f"# Ablations\n\n{setup}\n\n{table}\n")
+    plot_results(results, args.variants, out / "ablations.png")
+    print(f"{setup}\n\n{table}\n\nwrote {out / 'ablations.md'} and {out / 'ablations.png'}")
+    return 0

@@ -1,0 +1,222 @@
+"""`k3 train`, `k3 eval`, `k3 sample`, `k3 ablate`: thin argparse layers over k3.train.
+
+All four are registered in k3/cli.py with this module; `parser.prog` ("k3 <name>") tells
+`add_arguments` which command it is building. Flags override fields of the TrainConfig recipe
+(k3/train/config.py); see docs/training.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from k3.train.config import TrainConfig
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    name = parser.prog.split()[-1]
+    parser.set_defaults(_command=name)
+    {"train": _train_args, "eval": _eval_args, "sample": _sample_args, "ablate": _ablate_args}[name](parser)
+
+
+def run(args: argparse.Namespace) -> int | None:
+    return {"train": run_train, "eval": run_eval, "sample": run_sample, "ablate": run_ablate}[args._command](
+        args
+    )
+
+
+# ---- train -----------------------------------------------------------------------------------------
+
+_TRAIN_FLAGS = {  # flag -> (TrainConfig field, type, help)
+    "--preset": ("preset", str, "preset name or config.json (default k3-tiny)"),
+    "--data": ("data", str, "directory of text files, .jsonl with 'text', or .parquet (default: the stdlib)"),
+    "--out": ("out", str, "run directory (default runs/<preset>-<timestamp>)"),
+    "--minutes": ("minutes", float, "training-loop time budget (default 10)"),
+    "--steps": ("steps", int, "number of optimizer steps (overrides --minutes)"),
+    "--seed": ("seed", int, "seed for init, data order and sampling (default 0)"),
+    "--batch-size": ("batch_size", int, "sequences per micro-batch"),
+    "--seq-len": ("seq_len", int, "tokens per sequence"),
+    "--grad-accum": ("grad_accum", int, "micro-batches per optimizer step"),
+    "--lr": ("lr", float, "Muon learning rate (AdamW-matched units)"),
+    "--adamw-lr": ("adamw_lr", float, "AdamW learning rate (embeddings, head, norms, scalars)"),
+    "--weight-decay": ("weight_decay", float, "decoupled weight decay"),
+    "--warmup-steps": ("warmup_steps", int, "linear warm-up steps"),
+    "--grad-clip": ("grad_clip", float, "global grad-norm clip (0: off)"),
+    "--eval-every": ("eval_every", int, "evaluate every N steps (0: only at the end)"),
+    "--eval-tokens": ("eval_tokens", int, "validation tokens per evaluation"),
+    "--save-every": ("save_every", int, "checkpoint every N steps (0: only at the end)"),
+    "--keep": ("keep", int, "training checkpoints to keep"),
+    "--log-every": ("log_every", int, "progress line every N steps when stderr is not a terminal"),
+    "--optimizer": ("optimizer", str, "muon (Muon + AdamW) or adamw (AdamW only)"),
+    "--schedule": ("schedule", str, "cosine (warm-up + cosine) or wsd (warm-up, stable, decay)"),
+    "--qk-clip-tau": ("qk_clip_tau", float, "QK-Clip threshold on MLA max logits (default 100)"),
+    "--vocab-size": ("vocab_size", int, "tokenizer / model vocabulary (default: the preset's)"),
+    "--threads": ("threads", int, "torch intra-op threads"),
+    "--max-bad-steps": ("max_bad_steps", int, "consecutive non-finite steps that stop the run (default 5)"),
+    "--prompt": ("sample_prompt", str, "prompt of the sample printed at the end"),
+    "--sample-tokens": ("sample_tokens", int, "tokens of that sample (0: none)"),
+}
+
+
+def _train_args(p: argparse.ArgumentParser) -> None:
+    p.description = "Train a K3 model (default: k3-tiny on the Python stdlib for 10 minutes on CPU)."
+    for flag, (_, typ, help_) in _TRAIN_FLAGS.items():
+        choices = {"--optimizer": ("muon", "adamw"), "--schedule": ("cosine", "wsd")}.get(flag)
+        p.add_argument(flag, type=typ, default=None, help=help_, choices=choices)
+    p.add_argument("--resume", metavar="DIR", help="continue a run (its directory or one checkpoint)")
+    p.add_argument("--bf16", action="store_true", default=None, help="bf16 autocast for the forward")
+    p.add_argument("--no-per-head", action="store_true", help="whole-matrix Muon (no per-head split)")
+    p.add_argument("--no-qk-clip", action="store_true", help="disable QK-Clip")
+    p.add_argument(
+        "--qat",
+        choices=("mx",),
+        help="quantization-aware training: MXFP4 experts, MXFP8 activations (k3.quant.qat)",
+    )
+
+
+def _explicit_changes(args: argparse.Namespace) -> dict:
+    """TrainConfig fields the command line sets explicitly."""
+    changes = {
+        field: getattr(args, flag[2:].replace("-", "_")) for flag, (field, _, _) in _TRAIN_FLAGS.items()
+    }
+    changes = {k: v for k, v in changes.items() if v is not None}
+    if args.steps is not None:
+        changes["minutes"] = None
+    if args.bf16:
+        changes["bf16"] = True
+    if args.no_per_head:
+        changes["per_head"] = False
+    if args.no_qk_clip:
+        changes["qk_clip_tau"] = None
+    if args.qat:
+        changes["model_transforms"] = (f"qat-{args.qat}",)
+    return changes
+
+
+def train_config_from_args(args: argparse.Namespace) -> TrainConfig:
+    """The demo recipe with the flags applied, or (--resume) the saved config with bookkeeping flags."""
+    from k3.train.trainer import resume_config
+
+    changes = _explicit_changes(args)
+    if args.resume:
+        return resume_config(args.resume, **changes)
+    return TrainConfig().replace(**changes)
+
+
+def run_train(args: argparse.Namespace) -> int:
+    from k3.train.trainer import Trainer, TrainingStopped
+
+    tc = train_config_from_args(args)
+    trainer = Trainer(tc, resume=args.resume)
+    try:
+        summary = trainer.run()
+    except TrainingStopped as e:
+        print(f"k3 train: {e}", file=sys.stderr)
+        return 1
+    if summary["interrupted"]:
+        print(
+            f"interrupted: saved {summary['checkpoint']}; continue with `k3 train --resume {summary['out']}`",
+            file=sys.stderr,
+        )
+        return 130
+    return 0
+
+
+# ---- eval / sample ---------------------------------------------------------------------------------
+
+
+def _eval_args(p: argparse.ArgumentParser) -> None:
+    p.description = "Validation loss and bits per byte of a checkpoint directory."
+    p.add_argument("dir", help="checkpoint directory (a run directory or checkpoints/step-N)")
+    p.add_argument("--data", help="corpus whose validation split to use (default: the run's, else stdlib)")
+    p.add_argument("--seq-len", type=int, help="default: the run's")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--tokens", type=int, default=262144, help="validation tokens to score")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def _sample_args(p: argparse.ArgumentParser) -> None:
+    p.description = "Sample a continuation from a checkpoint directory."
+    p.add_argument("dir", help="checkpoint directory")
+    p.add_argument("--prompt", default="def ", help="text to continue")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.8, help="0: greedy")
+    p.add_argument("--top-k", type=int, default=50)
+    p.add_argument("--seed", type=int, default=0)
+
+
+def _load(dir_: str):
+    """(model, config, tokenizer, run TrainConfig or None) from a checkpoint directory."""
+    from k3.checkpoint import load_checkpoint
+    from k3.tokenizer import K3Tokenizer
+
+    d = Path(dir_)
+    if not (d / "config.json").exists():
+        raise ValueError(f"dir: {d} holds no config.json (not a checkpoint directory)")
+    model, config = load_checkpoint(d)
+    tok_dir = next((p for p in (d, d.parent.parent) if (p / "tokenizer_config.json").exists()), None)
+    if tok_dir is None:
+        raise ValueError(f"dir: no tokenizer files in {d}")
+    tc_path = next(
+        (p / "train_config.json" for p in (d, d.parent.parent) if (p / "train_config.json").exists()), None
+    )
+    tc = TrainConfig.from_json(tc_path.read_text()) if tc_path else None
+    return model.float().eval(), config, K3Tokenizer.from_dir(tok_dir), tc
+
+
+def run_eval(args: argparse.Namespace) -> int:
+    from k3.data import load_corpus, tokenize_documents
+    from k3.train.evaluate import evaluate, token_byte_lengths
+
+    model, _, tok, tc = _load(args.dir)
+    data = args.data if args.data is not None else (tc.data if tc else None)
+    val_percent = tc.val_percent if tc else 2.0
+    docs = tokenize_documents(tok, load_corpus(data, "val", val_percent).documents)
+    if docs.num_docs == 0:
+        raise ValueError(f"data: the validation split of {data or 'the stdlib'} is empty")
+    seq_len = args.seq_len or (tc.seq_len if tc else 256)
+    res = evaluate(
+        model,
+        docs,
+        token_byte_lengths(tok),
+        tok.eos_id,
+        seq_len=seq_len,
+        batch_size=args.batch_size,
+        max_tokens=args.tokens,
+    )
+    res["data"] = data or "stdlib"
+    if args.json:
+        print(json.dumps(res))
+    else:
+        print(
+            f"val loss {res['val_loss']:.4f} nats/token | val bpb {res['val_bpb']:.4f} | "
+            f"{res['tokens']:,} tokens ({res['bytes']:,} bytes) of {res['data']}"
+        )
+    return 0
+
+
+def run_sample(args: argparse.Namespace) -> int:
+    from k3.train.evaluate import sample_text
+
+    model, _, tok, _ = _load(args.dir)
+    print(
+        sample_text(model, tok, args.prompt, args.max_tokens, args.temperature, args.top_k or None, args.seed)
+    )
+    return 0
+
+
+# ---- ablate ----------------------------------------------------------------------------------------
+
+
+def _ablate_args(p: argparse.ArgumentParser) -> None:
+    from k3.train.ablate import add_ablate_arguments
+
+    add_ablate_arguments(p)
+
+
+def run_ablate(args: argparse.Namespace) -> int:
+    from k3.train.ablate import run_from_args
+
+    return run_from_args(args)

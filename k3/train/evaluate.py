@@ -1,0 +1,125 @@
+"""Validation loss and bits per byte, the unigram baseline, and a code sample.
+
+bits per byte = (sum of target losses in nats) / (ln 2 * sum of target UTF-8 bytes), over the same
+targets (the brief's loss_nats * tokens / (bytes * ln 2)). A byte-level BPE token always stands for the
+same bytes, so a target's byte count is a table lookup (`token_byte_lengths`); the document separator
+(EOS) has 0 bytes but its loss counts, so predicting where a file ends is paid for. Tokenizer-independent,
+unlike loss per token: a model with a bigger vocabulary is not rewarded for longer tokens.
+
+Unigram baseline: the cross-entropy of the validation targets under the training split's token
+frequencies (add-one smoothed), in the same units -- what a model that ignores context achieves.
+"""
+
+from __future__ import annotations
+
+import math
+from contextlib import nullcontext
+
+import numpy as np
+import torch
+from torch import nn
+
+from k3.data import PackedLoader, TokenizedDocs
+from k3.model.generate import generate
+
+
+def token_byte_lengths(tokenizer) -> np.ndarray:
+    """[vocab_size] int64: UTF-8 bytes each id stands for (0 for the reserved block)."""
+    out = np.zeros(tokenizer.vocab_size, dtype=np.int64)
+    backend = tokenizer._backend  # noqa: SLF001 -- the tokenizer exposes no per-token byte view
+    if hasattr(backend, "ranks"):  # tiktoken: rank -> bytes
+        for b, r in backend.ranks.items():
+            out[r] = len(b)
+        return out
+    for i in range(tokenizer.base):
+        piece = backend.tok.id_to_token(i)
+        # byte-level BPE: one alphabet character per byte; padding entries are unreachable
+        out[i] = 0 if piece is None or piece.startswith("<|unused_") else len(piece)
+    return out
+
+
+def _autocast(bf16: bool):
+    return torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else nullcontext()
+
+
+@torch.no_grad()
+def evaluate(
+    model: nn.Module,
+    docs: TokenizedDocs,
+    token_bytes: np.ndarray,
+    eos_id: int,
+    *,
+    seq_len: int,
+    batch_size: int,
+    max_tokens: int,
+    bf16: bool = False,
+) -> dict[str, float]:
+    """{"val_loss" (nats/token), "val_bpb", "tokens", "bytes"} over the first `max_tokens` targets of the
+    packed validation stream (corpus order, no shuffle; at most one pass)."""
+    loader = PackedLoader(docs, seq_len=seq_len, batch_size=batch_size, eos_id=eos_id, shuffle=False)
+    n_batches = max(1, min(max_tokens // (seq_len * batch_size), loader.batches_per_epoch))
+    lengths = torch.from_numpy(token_bytes)
+    was_training = model.training
+    model.eval()
+    nats, tokens, nbytes = 0.0, 0, 0
+    try:
+        for _ in range(n_batches):
+            b = next(loader)
+            with _autocast(bf16):
+                logits = model(b["input_ids"], cu_seqlens=b["cu_seqlens"], doc_ids=b["doc_ids"]).logits
+            losses = torch.nn.functional.cross_entropy(
+                logits.float().flatten(0, 1), b["labels"].flatten(), reduction="sum"
+            )
+            nats += float(losses)
+            tokens += b["labels"].numel()
+            nbytes += int(lengths[b["labels"]].sum())
+    finally:
+        model.train(was_training)
+    return {
+        "val_loss": nats / tokens,
+        "val_bpb": nats / (math.log(2) * max(nbytes, 1)),
+        "tokens": tokens,
+        "bytes": nbytes,
+    }
+
+
+def unigram_bpb(train: TokenizedDocs, val: TokenizedDocs, token_bytes: np.ndarray, eos_id: int) -> float:
+    """Bits per byte of the validation stream (documents + EOS) under train unigram frequencies."""
+    V = len(token_bytes)
+    counts = np.bincount(np.asarray(train.tokens), minlength=V).astype(np.float64) + 1.0
+    counts[eos_id] += train.num_docs
+    logp = np.log(counts / counts.sum())
+    val_counts = np.bincount(np.asarray(val.tokens), minlength=V).astype(np.float64)
+    val_counts[eos_id] += val.num_docs
+    nats = -(val_counts * logp).sum()
+    return float(nats / (math.log(2) * max((val_counts * token_bytes).sum(), 1)))
+
+
+@torch.no_grad()
+def sample_text(
+    model: nn.Module,
+    tokenizer,
+    prompt: str,
+    max_tokens: int,
+    temperature: float = 0.8,
+    top_k: int | None = 50,
+    seed: int = 0,
+) -> str:
+    """`prompt` + up to `max_tokens` sampled tokens, decoded (stops at EOS)."""
+    ids = tokenizer.encode(prompt) or [tokenizer.eos_id]
+    gen = torch.Generator().manual_seed(seed)
+    was_training = model.training
+    model.eval()
+    try:
+        out = generate(
+            model,
+            torch.tensor([ids]),
+            max_tokens,
+            temperature=temperature,
+            top_k=top_k,
+            eos_token_id=tokenizer.eos_id,
+            generator=gen,
+        )
+    finally:
+        model.train(was_training)
+    return tokenizer.decode(out[0].tolist())

@@ -1,0 +1,382 @@
+"""The training loop: setup, steps, eval / checkpoint cadence, time budget, Ctrl-C, final report.
+
+    setup     seeds -> data + tokenizer (cached) -> model (meta, then init_weights) -> model transforms
+              -> optimizers (param_groups) -> packed loader -> QK logit monitor -> resume (optional)
+    loop      lr(step) -> train_step -> NaN streak check -> metrics / progress -> eval -> save
+    finish    final eval, checkpoint, export (run dir = loadable checkpoint + tokenizer), sample, summary
+
+Length: `steps`, or `minutes` of training loop (periodic evals included): the step count is fixed
+once the first `warmup` steps have been timed, so the schedule is a pure function of the step and a
+resumed run continues to the same total. Learning rates are `base_lr * schedule(step)` set on every
+group before each step; the schedule itself holds no state (the checkpoint stores the step and total).
+
+Determinism: one seed drives init, data order and sampling. On CPU a run resumed from a checkpoint
+produces the same losses bit for bit as the uninterrupted run (tests/train/test_resume.py).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import signal
+import time
+from collections.abc import Callable
+from datetime import datetime
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from k3.config import K3Config
+from k3.data import PackedLoader, prepare_data
+from k3.model.init import init_weights
+from k3.model.transformer import K3ForCausalLM
+from k3.optim import warmup_cosine, wsd
+from k3.train import checkpointing as ckpt
+from k3.train.config import TrainConfig
+from k3.train.evaluate import evaluate, token_byte_lengths
+from k3.train.metrics import (
+    MetricsLog,
+    ProgressBar,
+    measure_matmul_peak,
+    plot_losses,
+)
+from k3.train.param_groups import build_optimizers
+from k3.train.step import MaxLogitMonitor, train_step
+
+
+def _qat_mx(model: torch.nn.Module, config: K3Config) -> torch.nn.Module:
+    from k3.quant.qat import convert_qat  # MXFP4 experts / MXFP8 activations, fake-quantized (issue 5)
+
+    return convert_qat(model, "mx")
+
+
+# name -> fn(model, model_config) returning the model to train; applied after init, before the optimizers
+MODEL_TRANSFORMS: dict[str, Callable[[torch.nn.Module, K3Config], torch.nn.Module]] = {"qat-mx": _qat_mx}
+CALIBRATION_STEPS = 8  # steps timed before a --minutes run fixes its step count
+
+
+def register_model_transform(name: str, fn: Callable[[torch.nn.Module, K3Config], torch.nn.Module]) -> None:
+    MODEL_TRANSFORMS[name] = fn
+
+
+class TrainingStopped(RuntimeError):
+    """Too many consecutive non-finite losses (the weights on disk stay finite)."""
+
+
+def default_out_dir(preset: str) -> Path:
+    name = Path(preset).stem if preset.endswith(".json") else preset
+    return Path("runs") / f"{name}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
+
+
+RESUME_OVERRIDABLE = (
+    "steps",
+    "minutes",
+    "eval_every",
+    "save_every",
+    "keep",
+    "log_every",
+    "out",
+    "threads",
+    "sample_prompt",
+    "sample_tokens",
+)
+
+
+def resume_config(resume: str | Path, **overrides) -> TrainConfig:
+    """The TrainConfig saved in a run / checkpoint, with only bookkeeping fields (RESUME_OVERRIDABLE)
+    changed -- anything else would make the continuation differ from the uninterrupted run."""
+    bad = sorted(set(overrides) - set(RESUME_OVERRIDABLE))
+    if bad:
+        raise ValueError(f"resume: cannot change {bad} of a run; only {list(RESUME_OVERRIDABLE)}")
+    saved = TrainConfig.from_json(ckpt.read_trainer_state(ckpt.resolve_checkpoint(resume))["train_config"])
+    if overrides.get("steps") is not None:
+        overrides.setdefault("minutes", None)
+    return saved.replace(**overrides)
+
+
+def lr_multiplier(tc: TrainConfig, step: int, total: int | None) -> float:
+    """Schedule factor at `step` (0-based); warm-up only while `total` is not fixed yet."""
+    warmup = min(tc.warmup_steps, total) if total else tc.warmup_steps
+    if total is None:
+        return min(1.0, (step + 1) / max(warmup, 1))
+    if tc.schedule == "wsd":  # hold, then a linear decay to 0 over the last 20 % of the steps
+        return wsd(step, total, min(warmup, total - round(0.2 * total)), decay_frac=0.2, min_ratio=0.0)
+    return warmup_cosine(step, total, warmup, tc.min_lr_ratio)
+
+
+class Trainer:
+    """One run. `Trainer(tc).run()` -> summary dict; `resume` is a run or checkpoint directory."""
+
+    def __init__(
+        self, tc: TrainConfig, resume: str | Path | None = None, progress: bool = True, quiet: bool = False
+    ):
+        """`tc` is the run's config; with `resume`, build it with `resume_config` (the saved one)."""
+        self.resume_from = ckpt.resolve_checkpoint(resume) if resume else None
+        self.quiet = quiet
+        self.out = (
+            Path(tc.out)
+            if tc.out
+            else (self.resume_from.parent.parent if self.resume_from else default_out_dir(tc.preset))
+        )
+        self.tc = tc.replace(out=str(self.out))
+        self.bar = ProgressBar(tc.log_every) if progress and not quiet else None
+        self.stop_requested = False
+        self._setup()
+
+    # ---- setup ------------------------------------------------------------------------------------
+    def _setup(self) -> None:
+        tc = self.tc
+        if tc.threads:
+            torch.set_num_threads(tc.threads)
+        torch.manual_seed(tc.seed)
+        random.seed(tc.seed)
+        np.random.seed(tc.seed)
+        self.config = tc.model_config()
+        t0 = time.perf_counter()
+        self.data = prepare_data(tc.data, self.config.vocab_size, tc.val_percent)
+        self.data_seconds = time.perf_counter() - t0
+        self.tokenizer = self.data.tokenizer
+        self.token_bytes = token_byte_lengths(self.tokenizer)
+        self.model = self._build_model()
+        self.optimizers = build_optimizers(
+            self.model,
+            optimizer=tc.optimizer,
+            per_head=tc.per_head,
+            lr=tc.lr,
+            adamw_lr=tc.adamw_lr,
+            weight_decay=tc.weight_decay,
+            momentum=tc.momentum,
+            betas=tc.betas,
+        )
+        self.loader = PackedLoader(self.data.train, tc.seq_len, tc.batch_size, self.tokenizer.eos_id, tc.seed)
+        self.monitor = MaxLogitMonitor(self.model)
+        self.state = {
+            "step": 0,
+            "total_steps": tc.steps,
+            "tokens": 0,
+            "bad_streak": 0,
+            "skipped": 0,
+            "train_seconds": 0.0,
+        }
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.log = MetricsLog(self.out / "metrics.jsonl")
+        if self.resume_from is not None:
+            self._resume()
+        (self.out / "train_config.json").write_text(tc.to_json() + "\n")
+
+    def _build_model(self) -> torch.nn.Module:
+        cfg = self.config
+        with torch.device("meta"):
+            model = K3ForCausalLM(cfg)
+        model.to_empty(device="cpu")
+        init_weights(model, cfg.initializer_range, cfg.num_hidden_layers, seed=self.tc.seed)
+        for name in self.tc.model_transforms:
+            if name not in MODEL_TRANSFORMS:
+                raise ValueError(
+                    f"model_transforms: unknown {name!r}; registered: {sorted(MODEL_TRANSFORMS)}"
+                )
+            model = MODEL_TRANSFORMS[name](model, cfg)
+        return model.train()
+
+    def _resume(self) -> None:
+        trainer = ckpt.load_training_checkpoint(self.resume_from, self.model, self.optimizers)
+        self.loader.load_state_dict(trainer["data"])
+        self.state.update(trainer["counters"])
+        if self.tc.steps is not None and self.tc.steps != self.state["total_steps"]:
+            self.state["total_steps"] = self.tc.steps  # an explicit --steps extends/shortens the schedule
+        self.log.truncate_after(self.state["step"])
+        self._say(f"resumed from {self.resume_from} at step {self.state['step']}")
+
+    # ---- helpers ----------------------------------------------------------------------------------
+    def _say(self, text: str) -> None:
+        if self.quiet:
+            return
+        if self.bar is not None:
+            self.bar.message(text)
+        else:
+            print(text, flush=True)
+
+    def _set_lr(self, step: int) -> float:
+        mult = lr_multiplier(self.tc, step, self.state["total_steps"])
+        for opt in self.optimizers:
+            for g in opt.param_groups:
+                g["lr"] = g["base_lr"] * mult
+        return mult
+
+    def _trainer_state(self) -> dict:
+        return {
+            "counters": dict(self.state),
+            "data": self.loader.state_dict(),
+            "train_config": self.tc.to_json(),
+        }
+
+    def save(self) -> Path:
+        path = ckpt.save_training_checkpoint(
+            self.out,
+            self.state["step"],
+            self.model,
+            self.config,
+            self.optimizers,
+            self._trainer_state(),
+            tokenizer=self.tokenizer,
+            keep=self.tc.keep,
+        )
+        self.log.write("event", step=self.state["step"], event="checkpoint", path=str(path))
+        return path
+
+    def run_eval(self) -> dict:
+        tc = self.tc
+        res = evaluate(
+            self.model,
+            self.data.val,
+            self.token_bytes,
+            self.tokenizer.eos_id,
+            seq_len=tc.seq_len,
+            batch_size=tc.batch_size,
+            max_tokens=tc.eval_tokens,
+            bf16=tc.bf16,
+        )
+        self.log.write("eval", step=self.state["step"], **res)
+        self._say(f"step {self.state['step']}: val loss {res['val_loss']:.4f}  val bpb {res['val_bpb']:.4f}")
+        plot_losses(self.log.path, self.out / "loss.png", title=f"{tc.preset} ({self.out.name})")
+        return res
+
+    # ---- loop -------------------------------------------------------------------------------------
+    def _fix_total(self, step_times: list[float], deadline: float) -> None:
+        """--minutes: after CALIBRATION_STEPS, total = steps that fit before the deadline (evals included)."""
+        tc = self.tc
+        per_step = float(np.median(step_times[2:] or step_times))
+        per_eval = per_step / (3 * tc.grad_accum) * max(1, tc.eval_tokens // (tc.seq_len * tc.batch_size))
+        left = deadline - time.perf_counter()
+        per_step_all = per_step + (per_eval / tc.eval_every if tc.eval_every else 0.0)
+        total = self.state["step"] + max(1, int((left - per_eval) / per_step_all))
+        self.state["total_steps"] = max(total, self.state["step"] + 1, tc.warmup_steps + 1)
+        self._say(
+            f"time budget {tc.minutes:g} min -> {self.state['total_steps']} steps ({per_step:.2f} s/step)"
+        )
+
+    def _micro_batches(self) -> list[dict]:
+        return [next(self.loader) for _ in range(self.tc.grad_accum)]
+
+    def _log_step(self, res, mult: float, dt: float, rate: float) -> None:
+        s = self.state
+        rec = dict(
+            step=s["step"],
+            loss=res.loss,
+            lr_mult=mult,
+            grad_norm=res.grad_norm,
+            tokens=s["tokens"],
+            tok_per_s=rate,
+            step_seconds=dt,
+            skipped=res.skipped,
+        )
+        if res.moe_load:
+            rec["moe_load_max"] = max(v[0] for v in res.moe_load.values())
+            rec["moe_load_min"] = min(v[1] for v in res.moe_load.values())
+            rec["moe_load"] = {
+                k.split(".")[2]: [round(a, 3), round(b, 3)] for k, (a, b) in res.moe_load.items()
+            }
+        if res.max_logit:
+            rec["max_logit"] = {k.split(".")[2]: round(v, 3) for k, v in res.max_logit.items()}
+            rec["qk_clipped_heads"] = res.clipped_heads
+        self.log.write("train", **rec)
+
+    def _handle_bad(self, res) -> None:
+        s = self.state
+        s["bad_streak"] += 1
+        s["skipped"] += 1
+        self.log.write(
+            "event", step=s["step"], event="skipped_non_finite", loss=res.loss, grad_norm=res.grad_norm
+        )
+        self._say(
+            f"step {s['step']}: non-finite loss/grad ({res.loss}, {res.grad_norm}); step skipped "
+            f"({s['bad_streak']} in a row)"
+        )
+        if s["bad_streak"] >= self.tc.max_bad_steps:
+            raise TrainingStopped(
+                f"stopping: {s['bad_streak']} consecutive non-finite steps (max_bad_steps="
+                f"{self.tc.max_bad_steps}) at step {s['step']}; weights were never updated with them. "
+                "Try a lower --lr, --grad-clip, or fp32 instead of --bf16."
+            )
+
+    def _loop(self) -> None:
+        tc, s = self.tc, self.state
+        start = time.perf_counter()
+        budget = tc.minutes * 60 if tc.minutes and tc.steps is None else math.inf
+        deadline = start + budget
+        step_times: list[float] = []
+        rate = 0.0
+        while not self.stop_requested and (s["total_steps"] is None or s["step"] < s["total_steps"]):
+            mult = self._set_lr(s["step"])
+            t = time.perf_counter()
+            res = train_step(
+                self.model,
+                self._micro_batches(),
+                self.optimizers,
+                grad_clip=tc.grad_clip,
+                bf16=tc.bf16,
+                monitor=self.monitor,
+                qk_clip_tau=tc.qk_clip_tau,
+            )
+            dt = time.perf_counter() - t
+            s["step"] += 1
+            s["tokens"] += res.tokens
+            s["train_seconds"] += dt
+            step_times.append(dt)
+            rate = res.tokens / dt if rate == 0 else 0.9 * rate + 0.1 * res.tokens / dt
+            if res.skipped:
+                self._handle_bad(res)
+            else:
+                s["bad_streak"] = 0
+            self._log_step(res, mult, dt, rate)
+            if s["total_steps"] is None and len(step_times) >= CALIBRATION_STEPS:
+                self._fix_total(step_times, deadline)
+            self._progress(res.loss, rate, step_times)
+            if tc.eval_every and s["step"] % tc.eval_every == 0 and s["step"] != s["total_steps"]:
+                self.run_eval()
+            if tc.save_every and s["step"] % tc.save_every == 0:
+                self.save()
+            if time.perf_counter() > deadline + 0.15 * budget:
+                self._say("time budget exceeded by 15 %; stopping early")
+                break
+        self.loop_seconds = time.perf_counter() - start
+
+    def _progress(self, loss: float, rate: float, step_times: list[float]) -> None:
+        if self.bar is None:
+            return
+        s = self.state
+        recent = step_times[-20:]
+        eta = (s["total_steps"] - s["step"]) * sum(recent) / len(recent) if s["total_steps"] else float("nan")
+        self.bar.update(s["step"], s["total_steps"], loss, rate, eta)
+
+    # ---- run --------------------------------------------------------------------------------------
+    def _on_sigint(self, signum, frame) -> None:
+        self.stop_requested = True
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # a second Ctrl-C aborts at once
+        self._say("interrupt: finishing this step, then saving (Ctrl-C again to abort)")
+
+    def run(self, measure_peak: bool = True) -> dict:
+        """Train, evaluate, save, export, sample; returns the summary dict (also summary.json)."""
+        previous = signal.signal(signal.SIGINT, self._on_sigint) if _main_thread() else None
+        try:
+            dtype = torch.bfloat16 if self.tc.bf16 else torch.float32
+            self.peak = measure_matmul_peak(dtype, seconds=1.5) if measure_peak else 0.0
+            self._loop()
+        finally:
+            if previous is not None:
+                signal.signal(signal.SIGINT, previous)
+            if self.bar is not None:
+                self.bar.close()
+        return self.finish(interrupted=self.stop_requested)
+
+    def finish(self, interrupted: bool = False) -> dict:
+        from k3.train.report import finish_run  # the end-of-run report lives in its own file
+
+        return finish_run(self, interrupted)
+
+
+def _main_thread() -> bool:
+    import threading
+
+    return threading.current_thread() is threading.main_thread()

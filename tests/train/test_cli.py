@@ -1,0 +1,80 @@
+"""`k3 train` flags map onto TrainConfig; resume accepts only bookkeeping changes; QAT transform hook."""
+
+import argparse
+
+import pytest
+
+from k3.train.cli import _explicit_changes, add_arguments, train_config_from_args
+from k3.train.config import TrainConfig
+from k3.train.trainer import Trainer, resume_config
+
+
+def _parse(*argv):
+    p = argparse.ArgumentParser(prog="k3 train")
+    add_arguments(p)
+    return p.parse_args(argv)
+
+
+def test_no_flags_is_the_demo_recipe():
+    assert train_config_from_args(_parse()) == TrainConfig()
+    assert TrainConfig().preset == "k3-tiny" and TrainConfig().minutes == 10
+
+
+def test_flags_map_onto_fields():
+    args = _parse(
+        "--preset",
+        "k3-nano",
+        "--steps",
+        "7",
+        "--lr",
+        "0.01",
+        "--no-per-head",
+        "--bf16",
+        "--optimizer",
+        "adamw",
+        "--schedule",
+        "wsd",
+        "--qk-clip-tau",
+        "50",
+        "--grad-accum",
+        "2",
+        "--qat",
+        "mx",
+        "--seed",
+        "3",
+    )
+    tc = train_config_from_args(args)
+    assert (tc.preset, tc.steps, tc.minutes, tc.lr, tc.per_head, tc.bf16) == (
+        "k3-nano",
+        7,
+        None,
+        0.01,
+        False,
+        True,
+    )
+    assert (tc.optimizer, tc.schedule, tc.qk_clip_tau, tc.grad_accum, tc.seed) == ("adamw", "wsd", 50.0, 2, 3)
+    assert tc.model_transforms == ("qat-mx",)
+    assert _explicit_changes(_parse("--no-qk-clip")) == {"qk_clip_tau": None}
+
+
+def test_bad_values_raise_value_error():
+    with pytest.raises(ValueError, match="seq_len"):
+        TrainConfig(seq_len=0)
+    with pytest.raises(ValueError, match="model_overrides"):
+        TrainConfig(model_overrides={"not_a_key": 1}).model_config()
+
+
+def test_resume_rejects_recipe_changes(make_tc, tmp_path):
+    Trainer(make_tc(steps=1), quiet=True).run(measure_peak=False)
+    with pytest.raises(ValueError, match="cannot change"):
+        resume_config(tmp_path / "run", lr=0.5)
+    assert resume_config(tmp_path / "run", steps=4).steps == 4
+
+
+def test_qat_transform_trains(make_tc):
+    from k3.quant.qat import QATRoutedExperts
+
+    trainer = Trainer(make_tc(steps=2, model_transforms=("qat-mx",)), quiet=True)
+    assert any(isinstance(m, QATRoutedExperts) for m in trainer.model.modules())
+    summary = trainer.run(measure_peak=False)
+    assert summary["skipped_steps"] == 0
