@@ -84,8 +84,11 @@ def main():
     p.add_argument("--chunk", type=int, default=64)
     p.add_argument("--reps", type=int, default=10, help="timed calls of chunk_kda per measurement")
     p.add_argument("--hf-reps", type=int, default=2, help="timed calls of the (slow) HF fallback")
+    p.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's default)")
     p.add_argument("--md", help="also write the report (markdown) to this path")
     a = p.parse_args()
+    if a.threads:
+        torch.set_num_threads(a.threads)
     B, T, H, K, C = a.B, a.T, a.H, a.K, a.chunk
     inputs = make_inputs(B, T, H, K, K)
     do = torch.randn(B, T, H, K, generator=torch.Generator().manual_seed(1))
@@ -112,7 +115,8 @@ def main():
     lines = [
         f"command: `python {' '.join(sys.argv)}`",
         f"machine: {_cpu_name()}, nproc={os.cpu_count()}, "
-        f"torch {torch.__version__} (threads={torch.get_num_threads()}), python {platform.python_version()}",
+        f"torch {torch.__version__} (threads={torch.get_num_threads()}), python {platform.python_version()}, "
+        f"load average {os.getloadavg()[0]:.1f} at the start",
         f"shape: B={B} T={T} H={H} K=V={K} chunk={C}, fp32, gate -5*sigmoid(randn)",
         "",
         "| | k3 chunk_kda | HF torch fallback | speedup |",
