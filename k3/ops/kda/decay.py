@@ -13,8 +13,8 @@ D_a = -(sum of g over sub-chunk a) >= 0 and mid_a = end_a + D_a / 2 (the midpoin
 c lies in [e^-D_b, 1], rc in [e^-D_a/2, e^D_a/2], P[a, a] = e^(D_a/2) and P[a, b] <= 1 for b < a. The
 sub-chunk size is the largest (<= 16) with every D <= 80, so all of these are normal fp32 numbers within
 e^+-80. The chunk-level factors (P, exp(Γ) via e_mid, exp(Γ_C - Γ) via e_tail, the chunk retention) are
-clamped at e^-80: such a factor multiplies a true value below e^-40, so nothing that matters is lost and
-exp() stays off its (very slow) underflow path. Sums over sub-chunks use masked matmuls of the sub-chunk
+clamped at e^-80: clamping only changes products that are below e^-40 either way, and keeps exp() off
+its (very slow) underflow path. Sums over sub-chunks use masked matmuls of the sub-chunk
 totals, not differences of a running cumsum, so their rounding is relative to the decay actually spanned.
 
 Every factor is exp(phi) with phi linear in g, so the backward takes d(phi) = d(factor) * factor.

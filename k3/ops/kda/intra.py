@@ -9,8 +9,9 @@ in-chunk cumulative log decay:
     qg = exp(Γ) Q,  k_dec = exp(Γ_C - Γ) K
 
 Both A's come from one batched matmul per sub-chunk row block: rows [q; beta k] * rc against columns
-k * c * P (see `decay.py` for the factors and why they stay finite). Above the diagonal the products can
-be huge but stay finite; the causal masks are applied with `where`, so they never reach the output.
+k * c * P (see `decay.py` for the factors and why they stay finite). Above the diagonal the products are
+meaningless (and can be huge): the causal masks are applied with `where`, so they never reach the output,
+and the backward only ever multiplies masked gradients.
 Temporaries live in a `Workspace` so that successive groups of chunks reuse the same memory.
 """
 
