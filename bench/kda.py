@@ -22,16 +22,16 @@ import torch
 from k3.ops.kda import chunk_kda
 
 
-def timeit(fn, reps: int, warmup: int = 1) -> tuple[float, float]:
-    """-> (best, median) wall seconds over `reps` calls after `warmup` calls."""
+def timeit(fn, reps: int, warmup: int = 1):
+    """-> ((best, median) wall seconds over `reps` calls after `warmup` calls, the last result)."""
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
-        fn()
+        out = fn()
         times.append(time.perf_counter() - t0)
-    return min(times), statistics.median(times)
+    return (min(times), statistics.median(times)), out
 
 
 def matmul_peak(reps: int = 5) -> tuple[float, int]:
@@ -39,7 +39,7 @@ def matmul_peak(reps: int = 5) -> tuple[float, int]:
     best = (0.0, 0)
     for n in (1024, 1536, 2048):
         a, b = torch.randn(n, n), torch.randn(n, n)
-        t, _ = timeit(lambda a=a, b=b: a @ b, reps, warmup=2)
+        (t, _), _ = timeit(lambda a=a, b=b: a @ b, reps, warmup=2)
         best = max(best, (2 * n**3 / t / 1e9, n))
     return best
 
@@ -102,12 +102,10 @@ def main():
 
     peak, peak_n = matmul_peak()
     with torch.no_grad():
-        t_fwd = timeit(lambda: ours(*inputs), a.reps, warmup=2)
-        t_hf_fwd = timeit(lambda: theirs(*inputs), a.hf_reps)
-        o, o_hf = ours(*inputs), theirs(*inputs)
-    t_fb = timeit(lambda: fwd_bwd(ours, inputs, do), a.reps, warmup=2)
-    t_hf_fb = timeit(lambda: fwd_bwd(theirs, inputs, do), a.hf_reps, warmup=0)
-    (_, grads), (_, grads_hf) = fwd_bwd(ours, inputs, do), fwd_bwd(theirs, inputs, do)
+        t_fwd, o = timeit(lambda: ours(*inputs), a.reps, warmup=2)
+        t_hf_fwd, o_hf = timeit(lambda: theirs(*inputs), a.hf_reps)
+    t_fb, (_, grads) = timeit(lambda: fwd_bwd(ours, inputs, do), a.reps, warmup=2)
+    t_hf_fb, (_, grads_hf) = timeit(lambda: fwd_bwd(theirs, inputs, do), a.hf_reps, warmup=0)
 
     flops = kda_flops(B, T, H, K, C)
     gflops = flops / t_fwd[0] / 1e9
