@@ -19,8 +19,9 @@ restarted with the same --out), ``<out>/ablations.md`` (mean ± sample std over 
 | -PerHeadMuon       | per_head=False (whole-matrix Muon)                                         |
 | AdamW              | optimizer="adamw" (AdamW for every parameter)                              |
 
-The default budget (k3-nano-sized model with a 2048-token vocabulary, 300 steps of 8 x 128 tokens,
-3 seeds, 9 variants) takes about half an hour on 2 CPU cores; --steps / --seeds / --preset scale it.
+The default budget (k3-nano with a 2048-token vocabulary, 400 steps of 8 x 128 tokens, 3 seeds, 9
+variants = 27 runs, two at a time on one thread each) takes about 25 minutes on 2 quiet CPU cores;
+--steps / --seeds / --variants / --preset / --jobs scale it.
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ def ablation_base(**changes) -> TrainConfig:
     base = TrainConfig(
         preset="k3-nano",
         vocab_size=2048,
-        steps=300,
+        steps=400,
         minutes=None,
         seq_len=128,
         batch_size=8,
@@ -63,6 +64,7 @@ def ablation_base(**changes) -> TrainConfig:
         keep=1,
         sample_tokens=0,
         log_every=50,
+        threads=1,
     )
     return base.replace(**changes)
 
@@ -84,36 +86,44 @@ def _done(results_path: Path) -> dict[tuple[str, int], dict]:
     return {(r["variant"], r["seed"]): r for r in recs}
 
 
-def run_ablation(
-    base: TrainConfig, variants: list[str], seeds: list[int], out: Path, log=print
-) -> list[dict]:
-    """Train every (variant, seed) not already in results.jsonl; returns all result records."""
+def _train_one(base: TrainConfig, name: str, seed: int, out: Path) -> dict:
+    """One (variant, seed) run -> its result record (runs in a worker process with --jobs > 1)."""
     from k3.train.trainer import Trainer
 
+    t0 = time.perf_counter()
+    summary = Trainer(variant_config(base, name, seed, out), quiet=True).run(measure_peak=False)
+    keys = ("val_bpb", "val_loss", "tokens", "tok_per_s", "params", "skipped_steps")
+    seconds = time.perf_counter() - t0
+    return {"variant": name, "seed": seed, **{k: summary[k] for k in keys}, "seconds": seconds}
+
+
+def run_ablation(
+    base: TrainConfig, variants: list[str], seeds: list[int], out: Path, jobs: int = 1, log=print
+) -> list[dict]:
+    """Train every (variant, seed) not already in results.jsonl, `jobs` at a time; returns all records."""
     out.mkdir(parents=True, exist_ok=True)
     results_path = out / "results.jsonl"
     done = _done(results_path)
-    for seed in seeds:
-        for name in variants:
-            if (name, seed) in done:
-                continue
-            t0 = time.perf_counter()
-            summary = Trainer(variant_config(base, name, seed, out), quiet=True).run(measure_peak=False)
-            rec = {
-                "variant": name,
-                "seed": seed,
-                "val_bpb": summary["val_bpb"],
-                "val_loss": summary["val_loss"],
-                "tokens": summary["tokens"],
-                "tok_per_s": summary["tok_per_s"],
-                "params": summary["params"],
-                "skipped_steps": summary["skipped_steps"],
-                "seconds": time.perf_counter() - t0,
-            }
-            with results_path.open("a") as f:
-                f.write(json.dumps(rec) + "\n")
-            done[(name, seed)] = rec
-            log(f"{name:>13} seed {seed}: val bpb {rec['val_bpb']:.4f}  ({rec['seconds']:.0f} s)")
+    todo = [(n, s) for s in seeds for n in variants if (n, s) not in done]
+
+    def record(rec: dict) -> None:
+        with results_path.open("a") as f:
+            f.write(json.dumps(rec) + "\n")
+        done[(rec["variant"], rec["seed"])] = rec
+        name, seed, bpb, sec = rec["variant"], rec["seed"], rec["val_bpb"], rec["seconds"]
+        log(f"{name:>13} seed {seed}: val bpb {bpb:.4f}  ({sec:.0f} s)")
+
+    if jobs <= 1:
+        for n, s in todo:
+            record(_train_one(base, n, s, out))
+    else:
+        import multiprocessing as mp
+        from concurrent.futures import ProcessPoolExecutor, as_completed
+
+        with ProcessPoolExecutor(jobs, mp_context=mp.get_context("spawn")) as pool:
+            futures = [pool.submit(_train_one, base, n, s, out) for n, s in todo]
+            for fut in as_completed(futures):
+                record(fut.result())
     return [done[(n, s)] for n in variants for s in seeds if (n, s) in done]
 
 
@@ -183,16 +193,18 @@ def add_ablate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seq-len", type=int, default=None)
     p.add_argument("--batch-size", type=int, default=None)
     p.add_argument("--lr", type=float, default=None)
-    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--jobs", type=int, default=2, help="runs in parallel, one thread each (default 2)")
 
 
 def run_from_args(args: argparse.Namespace) -> int:
     from datetime import datetime
 
-    keys = ("preset", "vocab_size", "data", "steps", "seq_len", "batch_size", "lr", "threads")
+    keys = ("preset", "vocab_size", "data", "steps", "seq_len", "batch_size", "lr")
     base = ablation_base(**{k: getattr(args, k) for k in keys if getattr(args, k) is not None})
+    if args.jobs < 1:
+        raise ValueError(f"jobs: must be >= 1, got {args.jobs}")
     out = Path(args.out or f"runs/ablate-{datetime.now().strftime('%Y%m%d-%H%M%S')}")
-    results = run_ablation(base, args.variants, args.seeds, out)
+    results = run_ablation(base, args.variants, args.seeds, out, jobs=args.jobs)
     table = results_table(results, args.variants)
     setup = (
         f"{base.preset} (vocab {base.vocab_size}), {base.steps} steps x {base.batch_size} x {base.seq_len} "

@@ -37,18 +37,18 @@ class TrainConfig:
     minutes: float | None = 10.0
     # batch
     seq_len: int = 256
-    batch_size: int = 16
+    batch_size: int = 8
     grad_accum: int = 1
     # optimisation
     optimizer: str = "muon"
     per_head: bool = True
-    lr: float = 0.02  # Muon (AdamW-matched units)
-    adamw_lr: float = 0.006  # embeddings, lm_head, norms, scalars (and everything with optimizer="adamw")
+    lr: float = 0.008  # Muon (AdamW-matched units)
+    adamw_lr: float = 0.016  # embeddings, lm_head, norms, scalars (and everything with optimizer="adamw")
     weight_decay: float = 0.1
     momentum: float = 0.95
     betas: tuple[float, float] = (0.9, 0.95)
     schedule: str = "cosine"
-    warmup_steps: int = 30
+    warmup_steps: int = 20
     min_lr_ratio: float = 0.1
     grad_clip: float = 1.0
     qk_clip_tau: float | None = 100.0  # None: no QK-Clip
@@ -56,9 +56,9 @@ class TrainConfig:
     # bookkeeping
     seed: int = 0
     out: str | None = None  # None: runs/<preset>-<timestamp>
-    eval_every: int = 250  # steps; 0: only at the end
-    eval_tokens: int = 131072  # validation tokens per evaluation
-    save_every: int = 500  # steps; 0: only at the end
+    eval_every: int = 100  # steps; 0: only at the end
+    eval_tokens: int = 65536  # validation tokens per evaluation (the same subset every time)
+    save_every: int = 200  # steps; 0: only at the end
     keep: int = 2  # training checkpoints kept
     log_every: int = 10
     max_bad_steps: int = 5  # consecutive NaN/inf losses before the run stops

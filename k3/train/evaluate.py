@@ -6,7 +6,7 @@ same bytes, so a target's byte count is a table lookup (`token_byte_lengths`); t
 (EOS) has 0 bytes but its loss counts, so predicting where a file ends is paid for. Tokenizer-independent,
 unlike loss per token: a model with a bigger vocabulary is not rewarded for longer tokens.
 
-Unigram baseline: the cross-entropy of the validation targets under the training split's token
+Unigram baseline: the cross-entropy of the same validation targets under the training split's token
 frequencies (add-one smoothed), in the same units -- what a model that ignores context achieves.
 """
 
@@ -53,15 +53,18 @@ def evaluate(
     batch_size: int,
     max_tokens: int,
     bf16: bool = False,
+    unigram_logp: np.ndarray | None = None,
 ) -> dict[str, float]:
-    """{"val_loss" (nats/token), "val_bpb", "tokens", "bytes"} over the first `max_tokens` targets of the
-    packed validation stream (corpus order, no shuffle; at most one pass)."""
-    loader = PackedLoader(docs, seq_len=seq_len, batch_size=batch_size, eos_id=eos_id, shuffle=False)
+    """{"val_loss" (nats/token), "val_bpb", "tokens", "bytes"} (+ "unigram_bpb" of the same targets
+    given `unigram_logp` [V]) over the first `max_tokens` targets of the validation stream, packed in
+    one fixed shuffled document order (seed 0, the same for every run and model), at most one pass."""
+    loader = PackedLoader(docs, seq_len=seq_len, batch_size=batch_size, eos_id=eos_id, seed=0)
     n_batches = max(1, min(max_tokens // (seq_len * batch_size), loader.batches_per_epoch))
     lengths = torch.from_numpy(token_bytes)
+    uni = None if unigram_logp is None else torch.from_numpy(unigram_logp)
     was_training = model.training
     model.eval()
-    nats, tokens, nbytes = 0.0, 0, 0
+    nats, uni_nats, tokens, nbytes = 0.0, 0.0, 0, 0
     try:
         for _ in range(n_batches):
             b = next(loader)
@@ -71,28 +74,23 @@ def evaluate(
                 logits.float().flatten(0, 1), b["labels"].flatten(), reduction="sum"
             )
             nats += float(losses)
+            uni_nats -= 0.0 if uni is None else float(uni[b["labels"]].sum())
             tokens += b["labels"].numel()
             nbytes += int(lengths[b["labels"]].sum())
     finally:
         model.train(was_training)
-    return {
-        "val_loss": nats / tokens,
-        "val_bpb": nats / (math.log(2) * max(nbytes, 1)),
-        "tokens": tokens,
-        "bytes": nbytes,
-    }
+    res = {"val_loss": nats / tokens, "val_bpb": nats / (math.log(2) * max(nbytes, 1)), "tokens": tokens,
+           "bytes": nbytes}  # fmt: skip
+    if uni is not None:
+        res["unigram_bpb"] = uni_nats / (math.log(2) * max(nbytes, 1))
+    return res
 
 
-def unigram_bpb(train: TokenizedDocs, val: TokenizedDocs, token_bytes: np.ndarray, eos_id: int) -> float:
-    """Bits per byte of the validation stream (documents + EOS) under train unigram frequencies."""
-    V = len(token_bytes)
-    counts = np.bincount(np.asarray(train.tokens), minlength=V).astype(np.float64) + 1.0
+def unigram_log_probs(train: TokenizedDocs, eos_id: int, vocab_size: int) -> np.ndarray:
+    """[V] float64 log-frequencies of the training stream (documents + one EOS each), add-one smoothed."""
+    counts = np.bincount(np.asarray(train.tokens), minlength=vocab_size).astype(np.float64) + 1.0
     counts[eos_id] += train.num_docs
-    logp = np.log(counts / counts.sum())
-    val_counts = np.bincount(np.asarray(val.tokens), minlength=V).astype(np.float64)
-    val_counts[eos_id] += val.num_docs
-    nats = -(val_counts * logp).sum()
-    return float(nats / (math.log(2) * max((val_counts * token_bytes).sum(), 1)))
+    return np.log(counts / counts.sum())
 
 
 @torch.no_grad()

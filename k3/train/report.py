@@ -13,7 +13,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from k3.train.evaluate import sample_text, unigram_bpb
+from k3.train.evaluate import sample_text
 from k3.train.metrics import flops_per_token, format_duration, plot_losses, summary_table
 
 EXPORT_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
@@ -57,7 +57,6 @@ def finish_run(trainer, interrupted: bool) -> dict:
         else ""
     )
     perf = _mfu(trainer)
-    uni = unigram_bpb(trainer.data.train, trainer.data.val, trainer.token_bytes, trainer.tokenizer.eos_id)
     n_params = sum(p.numel() for p in trainer.model.parameters())
     summary = {
         "preset": tc.preset,
@@ -75,7 +74,7 @@ def finish_run(trainer, interrupted: bool) -> dict:
         "val_bpb": ev["val_bpb"],
         "val_tokens": ev["tokens"],
         "bytes_per_token": ev["bytes"] / max(ev["tokens"], 1),
-        "unigram_bpb": uni,
+        "unigram_bpb": ev["unigram_bpb"],
         "sample": sample,
         "checkpoint": str(path),
         **perf,

@@ -34,7 +34,7 @@ from k3.model.transformer import K3ForCausalLM
 from k3.optim import warmup_cosine, wsd
 from k3.train import checkpointing as ckpt
 from k3.train.config import TrainConfig
-from k3.train.evaluate import evaluate, token_byte_lengths
+from k3.train.evaluate import evaluate, token_byte_lengths, unigram_log_probs
 from k3.train.metrics import (
     MetricsLog,
     ProgressBar,
@@ -138,6 +138,11 @@ class Trainer:
         self.data_seconds = time.perf_counter() - t0
         self.tokenizer = self.data.tokenizer
         self.token_bytes = token_byte_lengths(self.tokenizer)
+        self.unigram_logp = unigram_log_probs(self.data.train, self.tokenizer.eos_id, self.config.vocab_size)
+        if self.data.val.num_docs == 0:
+            raise ValueError(
+                f"data: the validation split of {tc.data or 'the stdlib'} is empty; add documents"
+            )
         self.model = self._build_model()
         self.optimizers = build_optimizers(
             self.model,
@@ -158,6 +163,7 @@ class Trainer:
             "bad_streak": 0,
             "skipped": 0,
             "train_seconds": 0.0,
+            "threads": tc.threads,
         }
         self.out.mkdir(parents=True, exist_ok=True)
         self.log = MetricsLog(self.out / "metrics.jsonl")
@@ -183,6 +189,10 @@ class Trainer:
         trainer = ckpt.load_training_checkpoint(self.resume_from, self.model, self.optimizers)
         self.loader.load_state_dict(trainer["data"])
         self.state.update(trainer["counters"])
+        if self.tc.threads is not None:
+            self.state["threads"] = self.tc.threads
+        if self.state["threads"]:
+            torch.set_num_threads(self.state["threads"])
         if self.tc.steps is not None and self.tc.steps != self.state["total_steps"]:
             self.state["total_steps"] = self.tc.steps  # an explicit --steps extends/shortens the schedule
         self.log.truncate_after(self.state["step"])
@@ -236,6 +246,7 @@ class Trainer:
             batch_size=tc.batch_size,
             max_tokens=tc.eval_tokens,
             bf16=tc.bf16,
+            unigram_logp=self.unigram_logp,
         )
         self.log.write("eval", step=self.state["step"], **res)
         self._say(f"step {self.state['step']}: val loss {res['val_loss']:.4f}  val bpb {res['val_bpb']:.4f}")
@@ -356,12 +367,31 @@ class Trainer:
         signal.signal(signal.SIGINT, signal.default_int_handler)  # a second Ctrl-C aborts at once
         self._say("interrupt: finishing this step, then saving (Ctrl-C again to abort)")
 
+    def _choose_threads(self) -> float:
+        """Measure the matmul peak; with `threads` unset, also with 1 thread and keep the faster count
+        (on a CPU shared with other jobs, 2 threads that wait on each other can be 2x slower than 1).
+        The choice is stored in the checkpoint, so a resumed run uses the same count (bit-exactness)."""
+        dtype = torch.bfloat16 if self.tc.bf16 else torch.float32
+        if self.state["threads"] is not None:
+            torch.set_num_threads(self.state["threads"])
+            return measure_matmul_peak(dtype, seconds=1.5)
+        peaks = {}
+        for n in sorted({torch.get_num_threads(), 1}, reverse=True):
+            torch.set_num_threads(n)
+            peaks[n] = measure_matmul_peak(dtype, seconds=0.75)
+        best = max(peaks, key=peaks.get)
+        torch.set_num_threads(best)
+        self.state["threads"] = best
+        if len(peaks) > 1:
+            rates = ", ".join(f"{n} thread(s) {p / 1e9:.0f}" for n, p in peaks.items())
+            self._say(f"matmul peak GFLOP/s: {rates} -> using {best}")
+        return peaks[best]
+
     def run(self, measure_peak: bool = True) -> dict:
         """Train, evaluate, save, export, sample; returns the summary dict (also summary.json)."""
         previous = signal.signal(signal.SIGINT, self._on_sigint) if _main_thread() else None
         try:
-            dtype = torch.bfloat16 if self.tc.bf16 else torch.float32
-            self.peak = measure_matmul_peak(dtype, seconds=1.5) if measure_peak else 0.0
+            self.peak = self._choose_threads() if measure_peak else 0.0
             self._loop()
         finally:
             if previous is not None:
