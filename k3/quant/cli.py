@@ -32,13 +32,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-shard-bytes", type=int, default=None, help="shard size limit (default 5 GB)")
 
 
+# not carried over: the weights themselves and a training checkpoint's optimizer / loader state
+SKIPPED_FILES = (CONFIG_NAME, INDEX_NAME, "train_state.json")
+
+
 def side_files(ckpt_dir: Path) -> dict[str, Path]:
-    """Top-level regular files of a checkpoint other than its config and weights (tokenizer etc.)."""
+    """Top-level regular files of a checkpoint other than its config, weights and training state
+    (tokenizer files, generation config, a run's train_config.json, ...)."""
     return {
         p.name: p
         for p in sorted(ckpt_dir.iterdir())
         if p.is_file()
-        and p.name not in (CONFIG_NAME, INDEX_NAME)
+        and p.name not in SKIPPED_FILES
         and not p.name.endswith(".safetensors")
         and not p.name.startswith(".")
     }

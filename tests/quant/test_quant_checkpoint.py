@@ -161,11 +161,19 @@ def test_missing_packed_expert_is_named(nano, tmp_path):
 def test_k3_quantize_cli(nano, tmp_path, capsys):
     src, dst = tmp_path / "hp", tmp_path / "q"
     save_checkpoint(
-        nano, NANO, src, extra_files={"tokenizer.json": '{"model": 1}', "tokenizer_config.json": "{}"}
+        nano,
+        NANO,
+        src,
+        extra_files={
+            "tokenizer.json": '{"model": 1}',
+            "tokenizer_config.json": "{}",
+            "train_state.json": "{}",
+        },
     )
     assert main(["quantize", str(src), str(dst)]) == 0
     assert "quantized 72 routed-expert matrices" in capsys.readouterr().out  # 3 layers x 8 experts x 3
     assert (dst / "tokenizer.json").read_text() == '{"model": 1}' and (dst / "tokenizer_config.json").exists()
+    assert not (dst / "train_state.json").exists()  # training state does not travel with the release
     tensors = load_official_tensors(dst)
     assert tensors[EXPERT.format(L=3, e=7, w="w2") + ".weight_scale"].shape == (Dl, I // 32)
     assert tensors["language_model.lm_head.weight"].dtype == torch.bfloat16  # --dtype default
