@@ -47,14 +47,13 @@ def recurrent_kda(
 
 def _recurrence(q, k, v, g, beta, initial_state):
     """fp32 q, k, g [B, T, H, K], v [B, T, H, V], beta [B, T, H] -> (o [B, T, H, V], S [B, H, K, V])."""
-    B, T, H, K = q.shape
+    B, _, H, K = q.shape
     S = q.new_zeros(B, H, K, v.shape[-1]) if initial_state is None else initial_state.float()
-    decay, beta = g.exp()[..., None], beta[..., None]
+    steps = (x.unbind(1) for x in (q[..., None], k[..., None], v, g.exp()[..., None], beta[..., None]))
     outs = []
-    for t in range(T):
-        k_t = k[:, t, :, :, None]  # [B, H, K, 1]
-        S = S * decay[:, t]
-        u = beta[:, t] * (v[:, t] - (S * k_t).sum(-2))  # [B, H, V]
+    for q_t, k_t, v_t, decay_t, b_t in zip(*steps, strict=True):  # k_t [B, H, K, 1]
+        S = S * decay_t
+        u = b_t * (v_t - (S * k_t).sum(-2))  # [B, H, V]
         S = S.addcmul(k_t, u[:, :, None, :])
-        outs.append((S * q[:, t, :, :, None]).sum(-2))
+        outs.append((S * q_t).sum(-2))
     return torch.stack(outs, 1), S
