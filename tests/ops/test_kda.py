@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import k3.ops.kda.recurrent as recurrent_module
 from k3.ops.kda import chunk_kda, naive_recurrent_kda, recurrent_kda
 from k3.ops.kda.decay import pick_sub_chunk
 
@@ -196,6 +197,20 @@ def test_no_grad_path_equals_grad_path():
     assert torch.equal(o1, o2.detach()) and torch.equal(s1, s2.detach())
 
 
+def test_recurrent_large_state_path():
+    """States of >= MATVEC_BMM_MIN elements take the batched-matmul mat-vecs."""
+    gen = torch.Generator().manual_seed(8)
+    x = [torch.randn(1, 20, 4, 128, generator=gen) for _ in range(3)]
+    g = -5 * torch.sigmoid(torch.randn(1, 20, 4, 128, generator=gen))
+    beta = torch.rand(1, 20, 4, generator=gen)
+    s0 = torch.randn(1, 4, 128, 128, generator=gen)
+    assert s0.numel() >= recurrent_module.MATVEC_BMM_MIN
+    o_ref, s_ref = run(naive_recurrent_kda, (*x, g, beta), s0)
+    o, s = run(recurrent_kda, (*x, g, beta), s0)
+    assert_close("o", o, o_ref, FWD_TOL)
+    assert_close("state", s, s_ref, FWD_TOL)
+
+
 def test_recurrent_decode_steps_equal_one_call():
     inputs, s0 = make_inputs(12)
     o_ref, s_ref = run(recurrent_kda, inputs, s0)
@@ -235,15 +250,15 @@ def test_bad_inputs_raise_value_error_naming_the_argument():
 
 
 def test_many_small_groups_match(monkeypatch):
-    """Chunk groups (the unit of batched chunk-local work) of a single chunk, across documents."""
+    """Small chunk groups (the unit of batched chunk-local work) whose boundaries cut across documents."""
     import k3.ops.kda.chunk as chunk_module
 
     cu = torch.tensor(CU)
     inputs, s0 = make_inputs(CU[-1], batch=1, n_states=len(CU) - 1, seed=6)
     gen = torch.Generator().manual_seed(7)
     do, ds = torch.randn(1, CU[-1], H, V, generator=gen), torch.randn(len(CU) - 1, H, K, V, generator=gen)
-    ref = grads_of(chunk_kda, inputs, s0, do, ds, cu_seqlens=cu, chunk_size=16)
-    monkeypatch.setattr(chunk_module, "GROUP_MATRICES", 1)
-    got = grads_of(chunk_kda, inputs, s0, do, ds, cu_seqlens=cu, chunk_size=16)
+    ref = grads_of(chunk_kda, inputs, s0, do, ds, cu_seqlens=cu, chunk_size=32)
+    monkeypatch.setattr(chunk_module, "GROUP_MATRICES", 4)  # 2 chunks per group, 6 groups over 4 documents
+    got = grads_of(chunk_kda, inputs, s0, do, ds, cu_seqlens=cu, chunk_size=32)
     for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), got, ref, strict=True):
         assert_close(name, a, b, 1e-6)
