@@ -131,12 +131,22 @@ def _stats(values: list[float]) -> tuple[float, float]:
     return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else math.nan)
 
 
+def _paired_delta(rs: list[dict], ref: dict[int, float]) -> str:
+    """Mean ± std over seeds of (variant - K3) at the same seed: the seeds share data order, so this
+    removes the seed-to-seed spread that both runs have in common."""
+    deltas = [r["val_bpb"] - ref[r["seed"]] for r in rs if r["seed"] in ref]
+    if not deltas:
+        return "—"
+    mean, std = _stats(deltas)
+    return f"{mean:+.4f} ± {std:.4f}" if not math.isnan(std) else f"{mean:+.4f}"
+
+
 def results_table(results: list[dict], variants: list[str]) -> str:
-    """Markdown table: variant, change, val bpb mean ± std, delta to K3, seeds, params."""
+    """Markdown table: variant, change, val bpb mean ± std, paired Δ vs K3 (mean ± std), seeds, params."""
     by = {n: [r for r in results if r["variant"] == n] for n in variants}
-    ref = _stats([r["val_bpb"] for r in by.get("K3", [])])[0] if by.get("K3") else math.nan
+    ref = {r["seed"]: r["val_bpb"] for r in results if r["variant"] == "K3"}
     lines = [
-        "| variant | change | val bpb (mean ± std) | Δ vs K3 | seeds | params |",
+        "| variant | change | val bpb (mean ± std) | Δ vs K3, same seed (mean ± std) | seeds | params |",
         "|---|---|---|---|---|---|",
     ]
     for n in variants:
@@ -144,7 +154,7 @@ def results_table(results: list[dict], variants: list[str]) -> str:
         if not rs:
             continue
         mean, std = _stats([r["val_bpb"] for r in rs])
-        delta = "—" if n == "K3" or math.isnan(ref) else f"{mean - ref:+.4f}"
+        delta = "—" if n == "K3" else _paired_delta(rs, ref)
         lines.append(
             f"| {n} | {VARIANTS[n][0]} | {mean:.4f} ± {std:.4f} | {delta} | {len(rs)} | "
             f"{rs[0]['params'] / 1e6:.2f} M |"

@@ -131,9 +131,9 @@ def _eval_args(p: argparse.ArgumentParser) -> None:
     p.description = "Validation loss and bits per byte of a checkpoint directory."
     p.add_argument("dir", help="checkpoint directory (a run directory or checkpoints/step-N)")
     p.add_argument("--data", help="corpus whose validation split to use (default: the run's, else stdlib)")
-    p.add_argument("--seq-len", type=int, help="default: the run's")
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--tokens", type=int, default=262144, help="validation tokens to score")
+    p.add_argument("--seq-len", type=int, help="default: the run's (else 256)")
+    p.add_argument("--batch-size", type=int, help="default: the run's (else 8)")
+    p.add_argument("--tokens", type=int, help="validation tokens to score (default: the run's eval_tokens)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -176,15 +176,17 @@ def run_eval(args: argparse.Namespace) -> int:
     docs = tokenize_documents(tok, load_corpus(data, "val", val_percent).documents)
     if docs.num_docs == 0:
         raise ValueError(f"data: the validation split of {data or 'the stdlib'} is empty")
-    seq_len = args.seq_len or (tc.seq_len if tc else 256)
+    run = tc or TrainConfig()  # with the run's settings the numbers equal its final evaluation
+    seq_len, batch = args.seq_len or run.seq_len, args.batch_size or run.batch_size
     res = evaluate(
         model,
         docs,
         token_byte_lengths(tok),
         tok.eos_id,
         seq_len=seq_len,
-        batch_size=args.batch_size,
-        max_tokens=args.tokens,
+        batch_size=batch,
+        max_tokens=args.tokens or run.eval_tokens,
+        bf16=run.bf16,
     )
     res["data"] = data or "stdlib"
     if args.json:

@@ -35,7 +35,7 @@ def test_table_statistics():
     ]
     table = results_table(recs, ["K3", "K2"])
     assert "| K3 | the K3 recipe | 2.2000 ± 0.2000 | — | 3 |" in table
-    assert "| 2.5000 ± 0.0000 | +0.3000 | 3 |" in table
+    assert "| 2.5000 ± 0.0000 | +0.3000 ± 0.2000 | 3 |" in table  # paired: +0.5, +0.3, +0.1
 
 
 def test_sweep_runs_and_skips_finished_runs(corpus_dir, tmp_path):

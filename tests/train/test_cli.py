@@ -78,3 +78,20 @@ def test_qat_transform_trains(make_tc):
     assert any(isinstance(m, QATRoutedExperts) for m in trainer.model.modules())
     summary = trainer.run(measure_peak=False)
     assert summary["skipped_steps"] == 0
+
+
+def test_schedules():
+    from k3.train.trainer import lr_multiplier
+
+    tc = TrainConfig(warmup_steps=10, min_lr_ratio=0.1)
+    assert lr_multiplier(tc, 0, None) == pytest.approx(0.1) and lr_multiplier(tc, 50, None) == 1.0
+    cos = [lr_multiplier(tc, s, 100) for s in range(100)]
+    assert cos[9] == 1.0 and cos[10] == 1.0 and cos[-1] == pytest.approx(0.1, abs=1e-3)
+    assert all(a >= b for a, b in zip(cos[10:], cos[11:], strict=False))
+    wsd = [lr_multiplier(tc.replace(schedule="wsd"), s, 100) for s in range(100)]
+    assert wsd[10:80] == [1.0] * 70 and wsd[-1] < 0.06
+
+
+def test_bf16_autocast_trains(make_tc):
+    summary = Trainer(make_tc(steps=3, bf16=True), quiet=True).run(measure_peak=False)
+    assert summary["skipped_steps"] == 0 and summary["val_loss"] < 7.0
