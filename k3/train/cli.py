@@ -109,7 +109,11 @@ def run_train(args: argparse.Namespace) -> int:
     from k3.train.trainer import Trainer, TrainingStopped
 
     tc = train_config_from_args(args)
-    trainer = Trainer(tc, resume=args.resume)
+    try:
+        trainer = Trainer(tc, resume=args.resume)
+    except KeyboardInterrupt:  # during data preparation: nothing to save yet
+        print("interrupted before training started", file=sys.stderr)
+        return 130
     try:
         summary = trainer.run()
     except TrainingStopped as e:
