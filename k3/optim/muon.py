@@ -215,7 +215,11 @@ class Muon(torch.optim.Optimizer):
         update = muon_update(p.grad, state["momentum_buffer"], group["momentum"], group["nesterov"])
         head_split = group["head_split"] if group["per_head"] else None
         ns_kwargs = dict(steps=group["ns_steps"], eps=group["eps"], dtype=group["ns_dtype"])
-        update = orthogonalize(update, head_split, **ns_kwargs)
+        update = self._orthogonalize(p, update, head_split, ns_kwargs)
         scale = update_scale(p.shape, head_split, group["rms_scale_by"])
         p.mul_(1 - group["lr"] * group["weight_decay"])
         p.add_(update, alpha=-group["lr"] * scale)
+
+    def _orthogonalize(self, p: Tensor, update: Tensor, head_split, ns_kwargs: dict) -> Tensor:
+        """The orthogonalized update of `p`; the distributed optimizer overrides this (sharded tensors)."""
+        return orthogonalize(update, head_split, **ns_kwargs)

@@ -18,11 +18,10 @@ update per step (the FSDP all-gather volume again), and NS on the full matrix on
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from k3.optim.muon import Muon, muon_update, orthogonalize, update_scale
+from k3.optim.muon import Muon, orthogonalize
 
 
 def whole_matrix_placements(t: DTensor) -> list:
@@ -55,14 +54,6 @@ def orthogonalize_dist(update: Tensor, head_split=None, **ns_kwargs) -> Tensor:
 class DistMuon(Muon):
     """Muon for FSDP2 / EP DTensor parameters; identical to Muon on plain tensors."""
 
-    def _step_param(self, p: Tensor, group: dict) -> None:
-        state = self.state[p]
-        if "momentum_buffer" not in state:
-            state["momentum_buffer"] = torch.zeros_like(p, dtype=torch.float32)
-        update = muon_update(p.grad, state["momentum_buffer"], group["momentum"], group["nesterov"])
-        head_split = group["head_split"] if group["per_head"] else None
-        ns_kwargs = dict(steps=group["ns_steps"], eps=group["eps"], dtype=group["ns_dtype"])
-        update = orthogonalize_dist(update, head_split, **ns_kwargs)
-        scale = update_scale(p.shape, head_split, group["rms_scale_by"])
-        p.mul_(1 - group["lr"] * group["weight_decay"])
-        p.add_(update.to(p.dtype), alpha=-group["lr"] * scale)
+    def _orthogonalize(self, p: Tensor, update: Tensor, head_split, ns_kwargs: dict) -> Tensor:
+        # whole matrices / head blocks are gathered, orthogonalized and re-sharded (see orthogonalize_dist)
+        return orthogonalize_dist(update, head_split, **ns_kwargs).to(p.dtype)
