@@ -23,14 +23,6 @@ from k3.quant.packed import PackedRoutedExperts, PackedWeight, expert_bytes, pac
 NANO = preset("k3-nano")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():  # tiny ops: threads only contend
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module")
 def nano():
     model = K3ForCausalLM(NANO)

@@ -26,14 +26,6 @@ E, I, Dl = NANO.num_experts, NANO.moe_intermediate_size, NANO.expert_width
 EXPERT = "language_model.model.layers.{L}.block_sparse_moe.experts.{e}.{w}"
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():  # tiny ops: threads only contend
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module")
 def nano():
     model = K3ForCausalLM(NANO)
