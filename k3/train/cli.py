@@ -74,6 +74,13 @@ def _train_args(p: argparse.ArgumentParser) -> None:
         choices=("mx",),
         help="quantization-aware training: MXFP4 experts, MXFP8 activations (k3.quant.qat)",
     )
+    p.add_argument(
+        "--qat-from-step",
+        type=int,
+        default=None,
+        metavar="N",
+        help="with --qat: high precision for steps 0..N-1, QAT from optimizer step N on (default 0)",
+    )
 
 
 def _explicit_changes(args: argparse.Namespace) -> dict:
@@ -92,6 +99,8 @@ def _explicit_changes(args: argparse.Namespace) -> dict:
         changes["qk_clip_tau"] = None
     if args.qat:
         changes["model_transforms"] = (f"qat-{args.qat}",)
+    if args.qat_from_step is not None:
+        changes["qat_from_step"] = args.qat_from_step
     return changes
 
 

@@ -67,6 +67,7 @@ class TrainConfig:
     threads: int | None = None  # torch intra-op threads; None: torch's default
     # hooks for later issues: names in k3.train.trainer.MODEL_TRANSFORMS applied after init (e.g. "qat-mx")
     model_transforms: tuple[str, ...] = ()
+    qat_from_step: int = 0  # with a "qat-*" transform: fake quantization from this optimizer step on
 
     def __post_init__(self) -> None:
         def check(cond: bool, key: str, msg: str) -> None:
@@ -99,6 +100,14 @@ class TrainConfig:
         check(self.qk_clip_tau is None or self.qk_clip_tau > 0, "qk_clip_tau", "must be > 0 or None")
         check(0 < self.val_percent < 100, "val_percent", "must be in (0, 100)")
         check(self.threads is None or self.threads >= 1, "threads", "must be >= 1")
+        check(
+            isinstance(self.qat_from_step, int) and self.qat_from_step >= 0, "qat_from_step", "must be >= 0"
+        )
+        check(
+            self.qat_from_step == 0 or any(t.startswith("qat-") for t in self.model_transforms),
+            "qat_from_step",
+            "needs a qat transform (--qat mx)",
+        )
 
     def replace(self, **changes: Any) -> TrainConfig:
         return dataclasses.replace(self, **changes)

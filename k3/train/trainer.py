@@ -32,6 +32,7 @@ from k3.data import PackedLoader, prepare_data
 from k3.model.init import init_weights
 from k3.model.transformer import K3ForCausalLM
 from k3.optim import warmup_cosine, wsd
+from k3.quant.qat import maybe_enable_qat
 from k3.train import checkpointing as ckpt
 from k3.train.config import TrainConfig
 from k3.train.evaluate import evaluate, token_byte_lengths, unigram_log_probs
@@ -48,7 +49,7 @@ from k3.train.step import MaxLogitMonitor, train_step
 def _qat_mx(model: torch.nn.Module, config: K3Config) -> torch.nn.Module:
     from k3.quant.qat import convert_qat  # MXFP4 experts / MXFP8 activations, fake-quantized (issue 5)
 
-    return convert_qat(model, "mx")
+    return convert_qat(model, "mx", enabled=False)  # switched on by maybe_enable_qat at qat_from_step
 
 
 # name -> fn(model, model_config) returning the model to train; applied after init, before the optimizers
@@ -318,7 +319,9 @@ class Trainer:
         deadline = start + budget
         step_times: list[float] = []
         rate = 0.0
+        qat_from = tc.qat_from_step if "qat-mx" in tc.model_transforms else None
         while not self.stop_requested and (s["total_steps"] is None or s["step"] < s["total_steps"]):
+            maybe_enable_qat(self.model, s["step"], qat_from)
             mult = self._set_lr(s["step"])
             t = time.perf_counter()
             res = train_step(
