@@ -12,13 +12,19 @@ Reported:
 * time to first token at the last turn with the cache (warm, after the session) vs without; goal >= 10x.
 
     python bench/prefix_cache.py --preset k3-tiny --turns 12 --target-tokens 8500
+    python bench/prefix_cache.py --quick --json out.json   # 10 turns to ~2K tokens (a smoke run)
+
+--json writes the figures in the `k3 bench` format (k3/benchmark/result.py) plus the per-turn rows.
 """
 
 import argparse
+import sys
 import time
+from pathlib import Path
 
 import torch
 
+from k3.benchmark.result import figure, write_result
 from k3.config import preset
 from k3.infer.config import EngineConfig
 from k3.infer.engine import Engine
@@ -58,6 +64,9 @@ def time_to_first_token(engine: Engine, prompt: list[int]) -> float:
     return time.perf_counter() - t0
 
 
+QUICK = ("--turns", "10", "--target-tokens", "2000", "--out-tokens", "16")  # later flags override these
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--preset", default="k3-tiny")
@@ -70,7 +79,12 @@ def main(argv=None) -> None:
     p.add_argument("--chunk", type=int, default=1024, help="max prefill chunk")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: leave as is)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", type=Path, help="write the figures (k3 bench format) to this file")
+    p.add_argument("--quick", action="store_true", help=f"small settings: {' '.join(QUICK)}")
+    argv = sys.argv[1:] if argv is None else list(argv)
     a = p.parse_args(argv)
+    if a.quick:  # the quick settings, then the command line again (an explicit flag wins)
+        a = p.parse_args([*QUICK, *argv])
     if a.threads:
         torch.set_num_threads(a.threads)
     model = build_model(a.preset, a.dtype, a.device)
@@ -79,7 +93,7 @@ def main(argv=None) -> None:
     cfg = EngineConfig(page_size=a.unit, prefix_unit=a.unit, num_pages=pages, max_model_len=max_len,
                        max_prefill_chunk=a.chunk, max_num_batched_tokens=a.chunk)  # fmt: skip
     engine = Engine(model, cfg)
-    convo, seen, ceiling = [], [], 0
+    convo, seen, ceiling, rows = [], [], 0, []
     params = SamplingParams(max_tokens=a.out_tokens, ignore_eos=True)
     new = session_turns(a.turns, a.target_tokens, model.config.vocab_size, a.out_tokens, a.seed)
     for t, extra in enumerate(new[:-1]):
@@ -91,6 +105,7 @@ def main(argv=None) -> None:
         ceiling += ceil_t
         row = f"prompt {len(convo):6d}  cached {seq.cached_tokens:6d}  ceiling {ceil_t:6d}  {dt:6.2f}s"
         print(f"turn {t + 1:2d}: {row}")
+        rows.append(dict(turn=t + 1, prompt=len(convo), cached=seq.cached_tokens, ceiling=ceil_t, seconds=dt))
         seen.append(convo + seq.output)
         convo = convo + seq.output
     last = convo + new[-1]
@@ -107,6 +122,24 @@ def main(argv=None) -> None:
         f"TTFT at the last turn ({len(last)} tokens): cache on {ttft_on * 1e3:.0f} ms, "
         f"off {ttft_off * 1e3:.0f} ms, {ttft_off / ttft_on:.1f}x (goal >= 10x)"
     )
+    if a.json:
+        figures = [
+            figure("cached prompt tokens (whole session)", total_hits, "tokens", peer="theoretical ceiling",
+                   peer_value=total_ceiling, goal=0.95),
+            figure(f"TTFT at the last turn ({len(last)} tokens)", ttft_on, "s", peer="cache off",
+                   peer_value=ttft_off, ratio=ttft_off / ttft_on, goal=10),
+        ]  # fmt: skip
+        turns = [r["turn"] for r in rows]
+        plots = [
+            dict(name="turns", title=f"prefix cache: {a.preset}, {a.turns}-turn session",
+                 xlabel="turn", ylabel="tokens", series=[
+                     dict(label="prompt", x=turns, y=[r["prompt"] for r in rows], style="o-"),
+                     dict(label="ceiling", x=turns, y=[r["ceiling"] for r in rows], style="s--"),
+                     dict(label="cached", x=turns, y=[r["cached"] for r in rows], style="x-")]),
+        ]  # fmt: skip
+        params = {k: v for k, v in vars(a).items() if k != "json"}
+        write_result(a.json, "prefix_cache", figures, params, turns=rows, plots=plots,
+                     ttft={"on": ttft_on, "off": ttft_off, "tokens": len(last)})  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -35,6 +35,7 @@ COMMANDS: tuple[Command, ...] = (
     Command("serve", "k3.serve.cli", "OpenAI-compatible HTTP server on the inference engine"),
     Command("chat", "k3.serve.chat", "interactive terminal chat on the inference engine"),
     Command("quantize", "k3.quant.cli", "convert a checkpoint's routed experts to MXFP4 (post-training)"),
+    Command("bench", "k3.benchmark.cli", "run the benchmark suite: JSON, markdown table and plots"),
 )
 
 
