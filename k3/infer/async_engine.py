@@ -61,16 +61,17 @@ class AsyncEngine:
         self._thread.join(timeout=5)
 
     # ---- requests (event-loop side) -----------------------------------------------------------------
-    async def generate(self, prompt: list[int], params: SamplingParams, salt: str = ""):
-        """Async iterator of Events for one request; raises QueueFull / ValueError before the first."""
-        self.engine.validate(prompt)
+    async def generate(self, prompt: list[int], params: SamplingParams, salt: str = "", media: tuple = ()):
+        """Async iterator of Events for one request; raises QueueFull / ValueError before the first.
+        `media`: `k3.infer.media.MediaSpan`s (image embeddings), see `Engine.add_request`."""
+        self.engine.validate(prompt, media)
         loop, q = asyncio.get_running_loop(), asyncio.Queue()
         rid = f"areq-{next(self._ids)}"
         with self._subs_lock:
             if len(self._subs) >= self.max_pending:
                 raise QueueFull(f"{len(self._subs)} requests in flight (max_pending={self.max_pending})")
             self._subs[rid] = (loop, q)
-        self._inbox.put(("add", rid, list(prompt), params, salt))
+        self._inbox.put(("add", rid, list(prompt), params, salt, tuple(media)))
         self._wake.set()
         finished = False
         try:
@@ -115,7 +116,7 @@ class AsyncEngine:
             if sub is None:  # aborted before it started
                 continue
             try:
-                self.engine.add_request(rest[0], rest[1], salt=rest[2], request_id=rid)
+                self.engine.add_request(rest[0], rest[1], salt=rest[2], request_id=rid, media=rest[3])
             except ValueError as e:
                 events.append((*sub, Event([], True, "error", error=str(e))))
                 self._forget(rid)

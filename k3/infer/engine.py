@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from k3.infer.config import EngineConfig
+from k3.infer.media import check_media
 from k3.infer.model_runner import ModelRunner
 from k3.infer.prefix_cache import chain_hashes
 from k3.infer.sampler import logprobs, sample
@@ -57,12 +58,14 @@ class Engine:
         params: SamplingParams | None = None,
         salt: str = "",
         request_id: str | None = None,
+        media: tuple = (),
     ) -> Sequence:
+        """`media`: `k3.infer.media.MediaSpan`s, prompt positions fed from given embeddings (images)."""
         params = params or SamplingParams()
-        self.validate(prompt)
+        self.validate(prompt, media)
         if request_id is not None and request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        seq = Sequence(list(prompt), params, salt=salt, request_id=request_id or "")
+        seq = Sequence(list(prompt), params, salt=salt, request_id=request_id or "", media=tuple(media))
         seq.generator = self.generator if params.seed is None else torch.Generator().manual_seed(params.seed)
         self.requests[seq.request_id] = seq
         self.stats["requests"] += 1
@@ -70,8 +73,10 @@ class Engine:
         self.scheduler.add(seq)
         return seq
 
-    def validate(self, prompt: list[int]) -> None:
-        """Raise ValueError for a prompt the engine cannot take (no state is touched)."""
+    def validate(self, prompt: list[int], media: tuple = ()) -> None:
+        """Raise ValueError for a prompt (and media spans) the engine cannot take (no state is touched)."""
+        if media:
+            check_media(media, len(prompt), self.model.config.hidden_size)
         if not prompt:
             raise ValueError("prompt must contain at least one token")
         if any(not isinstance(t, int) or not 0 <= t < self.vocab_size for t in prompt):
@@ -137,7 +142,7 @@ class Engine:
         cache, u, ps = self.scheduler.cache, self.config.prefix_unit, self.config.page_size
         done = len(seq.block_hashes)
         seq.block_hashes = chain_hashes(
-            seq.tokens, u, seq.salt, seq.num_computed // u, start=seq.block_hashes
+            seq.tokens, u, seq.salt, seq.num_computed // u, start=seq.block_hashes, media=seq.media
         )
         for i in range(done, len(seq.block_hashes)):
             cache.add_page(seq.block_hashes[i], seq.block_table[i * u // ps])

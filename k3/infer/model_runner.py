@@ -5,8 +5,11 @@ Pools, allocated once from the engine config:
 * KDA layer l: conv_q/k/v [num_slots, C, W-1] (model dtype) and recurrent [num_slots, H, K, V] fp32.
 
 A step first applies the plan's page copies (copy-on-write) and slot restores/resets, then runs one
-forward per group of rows that share (cached length, new tokens): the model decodes with the absorbed
-MLA path and the KDA recurrence when T == 1 and prefills with the chunked paths otherwise.
+forward per group of rows that feed the same number of tokens n, whatever their cached lengths (a ragged
+batch, k3.infer.paged_state): all decode rows (n == 1) go in one forward, and prefill chunks of equal
+size share one too. The model decodes with the absorbed MLA path and the KDA recurrence when n == 1 and
+prefills with the chunked paths otherwise; MLA attention over a long cache streams the latents page
+block by page block (k3.model.mla, DENSE_MAX_SCORES).
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from k3.infer.config import EngineConfig
-from k3.infer.paged_state import PagedMLAState, page_positions
+from k3.infer.paged_state import PagedBatch, PagedMLAState
 from k3.infer.scheduler import StepPlan
 from k3.infer.sequence import Sequence
 from k3.model.state import KDAState
@@ -76,30 +79,33 @@ class ModelRunner:
             self.restore(slot, handle)
         for slot in plan.resets:
             self.reset(slot)
-        groups: dict[tuple[int, int], list[int]] = {}
-        for j, (seq, n) in enumerate(plan.items):
-            groups.setdefault((seq.num_computed, n), []).append(j)
+        groups: dict[int, list[int]] = {}
+        for j, (_, n) in enumerate(plan.items):
+            groups.setdefault(n, []).append(j)
         out: list[torch.Tensor | None] = [None] * len(plan.items)
-        for (c, n), rows in groups.items():
-            logits = self._forward([plan.items[j][0] for j in rows], c, n)
+        for n, rows in groups.items():
+            logits = self._forward([plan.items[j][0] for j in rows], n)
             logits = logits.cpu()  # sampling and its generators live on the CPU
             for r, j in enumerate(rows):
                 out[j] = logits[r]
         return out
 
-    def _forward(self, seqs: list[Sequence], c: int, n: int) -> torch.Tensor:
-        """B sequences with c cached tokens each, feeding n more -> logits [B, n or 1, V] fp32."""
-        ps = self.config.page_size
-        ids = torch.tensor([_tokens(s, c, c + n) for s in seqs], device=self.device)
-        write = torch.cat([page_positions(s.block_table, c, c + n, ps) for s in seqs]).to(self.device)
-        read = torch.stack([page_positions(s.block_table, 0, c + n, ps) for s in seqs]).to(self.device)
+    def _forward(self, seqs: list[Sequence], n: int) -> torch.Tensor:
+        """B sequences with c_b cached tokens each, feeding n more -> logits [B, n or 1, V] fp32."""
+        starts = [s.num_computed for s in seqs]
+        ids = torch.tensor(
+            [_tokens(s, c, c + n) for s, c in zip(seqs, starts, strict=True)], device=self.device
+        )
+        batch = PagedBatch.from_tables(
+            [s.block_table for s in seqs], starts, n, self.config.page_size, self.device
+        )
         slots = torch.tensor([s.slot for s in seqs], device=self.device)
         state = []
         for i in range(self.model.config.num_hidden_layers):
             if i in self.kda:
                 state.append(KDAState(**{f: self.kda[i][f][slots] for f in _KDA_FIELDS}))
             else:
-                state.append(PagedMLAState(self.mla[i], write, read, c))
+                state.append(PagedMLAState(self.mla[i], batch))
         h = self.model.model(ids, state=state)  # K3ForCausalLM.forward, with the head on the rows we need
         if not any(s.params.prompt_logprobs is not None for s in seqs):
             h = h[:, -1:]

@@ -27,16 +27,22 @@ from k3.infer.block_manager import PagePool
 
 
 def chain_hashes(
-    tokens: list[int], unit: int, salt: str, n_units: int | None = None, start=None
+    tokens: list[int], unit: int, salt: str, n_units: int | None = None, start=None, media=()
 ) -> list[int]:
     """Hashes of the first `n_units` full units of `tokens` (all full units by default). `start` =
-    (hashes so far) continues an existing chain."""
+    (hashes so far) continues an existing chain. `media` (`k3.infer.media.MediaSpan`s: .start, .stop,
+    .key) adds the content key of every span overlapping a unit to that unit's hash."""
     hashes = list(start or [])
     n_units = len(tokens) // unit if n_units is None else n_units
     prev = hashes[-1] if hashes else _h(b"k3-prefix-v1", salt.encode())
     for i in range(len(hashes), n_units):
         block = tokens[i * unit : (i + 1) * unit]
-        prev = _h(prev.to_bytes(16, "little"), b"".join(t.to_bytes(4, "little") for t in block))
+        parts = [prev.to_bytes(16, "little"), b"".join(t.to_bytes(4, "little") for t in block)]
+        lo, hi = i * unit, (i + 1) * unit
+        keys = [f"{s.start}:{s.stop}:{s.key}" for s in media if s.start < hi and s.stop > lo]
+        if keys:
+            parts.append(("media|" + "|".join(keys)).encode())
+        prev = _h(*parts)
         hashes.append(prev)
     return hashes
 

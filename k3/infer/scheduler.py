@@ -112,7 +112,7 @@ class Scheduler:
         hit = None
         if self.cache is not None and seq.params.prompt_logprobs is None:
             u = self.config.prefix_unit
-            hashes = chain_hashes(seq.tokens, u, seq.salt, n_units=(len(seq) - 1) // u)
+            hashes = chain_hashes(seq.tokens, u, seq.salt, n_units=(len(seq) - 1) // u, media=seq.media)
             hit = self.cache.lookup(hashes, len(seq))
             seq.block_table, seq.num_computed = list(hit.pages), hit.length
             seq.junction = hit.mla_depth if hit.mla_depth > hit.length else 0

@@ -74,6 +74,7 @@ class Sequence:
     logprobs: list = field(default_factory=list)  # per output token: (logprob, [(id, logprob), ...])
     prompt_logprobs: list = field(default_factory=list)  # per prompt token from the second on
     arrival: int = field(default_factory=lambda: next(_ids))
+    media: tuple = ()  # k3.infer.media.MediaSpan: prompt positions whose embeddings are given (images)
 
     def __post_init__(self):
         if not self.prompt:

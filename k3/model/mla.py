@@ -15,10 +15,21 @@ comes only from the KDA layers. `mla_use_nope=False` is the K2-style ablation: q
 (k3.ops.rope) by the token's position (within its document when `doc_ids` is given, else the cache offset
 plus arange(T), or explicit `positions`). Latent norm eps is `config.latent_norm_eps` (SPEC §8.2).
 
-Two equal attention paths (k3.ops.mla): naive (materialized per-head K/V; training, prefill) and absorbed
-(W_UK folded into the query, W_UV into the output, attending over the latent; decode). Default: absorbed
-when a state is given and T == 1; `absorb` forces either. With an `MLAState`, the new latents are appended
-and the queries attend causally over cache + new tokens.
+Attention paths (k3.ops.mla), all equal: naive (materialized per-head K/V; training, prefill), absorbed
+(W_UK folded into the query, W_UV into the output, attending over the latent; decode) and streaming
+(absorbed, online softmax over latent blocks read one at a time from the state; long contexts). With a
+state the new latents are stored and the queries attend causally over cache + new tokens:
+
+* dense (the state's `append` returns all S latents, one [B, H, T, S] score tensor): when the attention
+  is small, H*T*S <= DENSE_MAX_SCORES per row, or the state cannot stream, or `absorb` is given
+  (forcing the absorbed or naive form). Absorbed when T == 1, naive otherwise.
+* streaming (`write`, then `blocks`): otherwise, when the state provides `blocks` (the engine's paged
+  state, and `MLAState`). Block size: DENSE_MAX_SCORES // (B*H*T) keys, at least MIN_BLOCK, so the score
+  scratch stays ~DENSE_MAX_SCORES fp32 values whatever S is; nothing of size S but the cache exists.
+  In the engine every prefill chunk past the first few thousand keys, and long-context decode, take it.
+
+Ragged batches: a state with per-row cached lengths `lengths` [B] (k3.model.state) gets a per-row causal
+mask (row b's query t is key c_b + t); the RoPE ablation rotates by c_b + t as well.
 """
 
 import torch
@@ -27,8 +38,19 @@ from torch import nn
 from k3.config import K3Config
 from k3.model.layers import Linear, RMSNorm
 from k3.model.state import MLAState
-from k3.ops.mla import causal_mask, mla_attention_absorbed, mla_attention_naive, split_kv_b
+from k3.ops.mla import (
+    causal_mask,
+    mla_attention_absorbed,
+    mla_attention_naive,
+    mla_attention_over_blocks,
+    query_positions,
+    ragged_causal_mask,
+    split_kv_b,
+)
 from k3.ops.rope import apply_rope
+
+DENSE_MAX_SCORES = 1 << 22  # per-row H*T*S above which a streaming state is read block by block (16 MiB fp32)
+MIN_BLOCK = 128  # keys per block at least (bounds the Python loop for many heads x long chunks)
 
 
 def doc_positions(doc_ids: torch.Tensor) -> torch.Tensor:
@@ -84,23 +106,41 @@ class MLAAttention(nn.Module):
         c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
         return self.kv_a_layernorm(c_kv), k_pe
 
-    def _positions(self, x: torch.Tensor, offset: int, doc_ids, positions) -> torch.Tensor:
-        """RoPE positions [B or 1, T]: explicit, within-document, or offset + arange(T)."""
+    def _positions(self, x: torch.Tensor, offset: int, doc_ids, positions, lengths) -> torch.Tensor:
+        """RoPE positions [B or 1, T]: explicit, within-document, per-row lengths[b] + arange(T) (ragged),
+        or offset + arange(T)."""
         if positions is not None:
             return positions if positions.dim() == 2 else positions[None]
         if doc_ids is not None:
             return doc_positions(doc_ids)
+        if lengths is not None:
+            return lengths.to(x.device)[:, None] + torch.arange(x.shape[1], device=x.device)
         return torch.arange(offset, offset + x.shape[1], device=x.device)[None]
 
     def _attend(self, q_nope, q_pe, latent, mask, absorb: bool) -> torch.Tensor:
         """Queries [B, T, H, *] over latents [B, S, R+Dr] -> o [B, T, H, Dv]."""
         c_kv, k_pe = latent.split([self.kv_lora_rank, self.rope_dim], dim=-1)
         if absorb:
-            w_uk, w_uv = split_kv_b(self.kv_b_proj.weight, self.num_heads, self.nope_dim, self.v_dim)
+            w_uk, w_uv = self._absorbed_weights()
             return mla_attention_absorbed(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, self.scale, mask)
         kv = self.kv_b_proj(c_kv).view(*c_kv.shape[:2], self.num_heads, self.nope_dim + self.v_dim)
         k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
         return mla_attention_naive(q_nope, q_pe, k_nope, k_pe, v, self.scale, mask)
+
+    def _absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return split_kv_b(self.kv_b_proj.weight, self.num_heads, self.nope_dim, self.v_dim)
+
+    def _streams(self, state, T: int, S: int, absorb: bool | None) -> bool:
+        """The attention-path rule of the module docstring."""
+        return absorb is None and hasattr(state, "blocks") and self.num_heads * T * S > DENSE_MAX_SCORES
+
+    def _attend_stream(self, q_nope, q_pe, state, S: int, lengths) -> torch.Tensor:
+        """Queries [B, T, H, *] over the state's latent blocks (online softmax) -> o [B, T, H, Dv]."""
+        B, T, H, _ = q_nope.shape
+        block = max(MIN_BLOCK, DENSE_MAX_SCORES // (B * H * T))
+        q_pos = query_positions(T, S, lengths, q_nope.device)
+        w_uk, w_uv = self._absorbed_weights()
+        return mla_attention_over_blocks(q_nope, q_pe, state.blocks(block), w_uk, w_uv, self.scale, q_pos)
 
     def forward(
         self,
@@ -110,26 +150,35 @@ class MLAAttention(nn.Module):
         positions: torch.Tensor | None = None,
         absorb: bool | None = None,
     ) -> torch.Tensor:
-        """x [B, T, D]; state: the latent cache, appended to in place; doc_ids [B, T]: block-diagonal
-        attention over packed documents (no state); positions [T] or [B, T]: RoPE positions (ablation only)
-        -> y [B, T, D]."""
+        """x [B, T, D]; state: the latent cache (k3.model.state), appended to in place; doc_ids [B, T]:
+        block-diagonal attention over packed documents (no state); positions [T] or [B, T]: RoPE positions
+        (ablation only); absorb: force the dense absorbed (True) or naive (False) form -> y [B, T, D]."""
         B, T, _ = x.shape
         if doc_ids is not None and (state is not None or doc_ids.shape != (B, T)):
             raise ValueError(f"doc_ids must be [B, T]=[{B}, {T}] and cannot be combined with a state")
         offset = 0 if state is None else state.length
+        lengths = None if state is None else getattr(state, "lengths", None)
         q_nope, q_pe = self._queries(x)
         c_kv, k_pe = self._latents(x)
         if self.use_rope:
-            pos = self._positions(x, offset, doc_ids, positions)
+            pos = self._positions(x, offset, doc_ids, positions, lengths)
             q_pe = apply_rope(q_pe.transpose(1, 2), pos[:, None], self.rope_theta).transpose(1, 2)
             k_pe = apply_rope(k_pe, pos, self.rope_theta)
         latent = torch.cat([c_kv, k_pe], dim=-1)  # [B, T, R+Dr]
-        if state is not None:
-            latent = state.append(latent)
-        S = latent.shape[1]
-        mask = None if T == 1 and doc_ids is None else causal_mask(T, S, x.device, doc_ids, doc_ids)
-        absorb = (state is not None and T == 1) if absorb is None else absorb
-        o = self._attend(q_nope, q_pe, latent, mask, absorb).reshape(B, T, -1)
+        S = offset + T
+        if state is not None and self._streams(state, T, S, absorb):
+            state.write(latent)
+            o = self._attend_stream(q_nope, q_pe, state, S, lengths)
+        else:
+            if state is not None:
+                latent = state.append(latent)
+            if lengths is not None:
+                mask = ragged_causal_mask(lengths.to(x.device), T, S)
+            else:
+                mask = None if T == 1 and doc_ids is None else causal_mask(T, S, x.device, doc_ids, doc_ids)
+            absorb = (state is not None and T == 1) if absorb is None else absorb
+            o = self._attend(q_nope, q_pe, latent, mask, absorb)
+        o = o.reshape(B, T, -1)
         if self.g_proj is not None:
             o = (o.float() * torch.sigmoid(self.g_proj(x).float())).to(o.dtype)
         return self.o_proj(o)

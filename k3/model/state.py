@@ -12,12 +12,24 @@ KDA layer (`KDAState`), C_q = C_k = H*K, C_v = H*V, W = short_conv_kernel_size:
             recurrent                [B, H, K, V] fp32 delta-rule state S;              None = zeros
     writes  the same four attributes after the call (new tensors; the old ones are not modified in place)
 
-MLA layer (`MLAState`), R = kv_lora_rank, Dr = qk_rope_head_dim:
+MLA layer (`MLAState`), R = kv_lora_rank, Dr = qk_rope_head_dim, L = R + Dr (latent width):
     reads   length                   int, tokens already cached (the causal offset of the new queries)
-    calls   append(new [B, T, R+Dr]) -> all latents [B, S, R+Dr], S = length + T; each latent row is
+    calls   append(new [B, T, L]) -> all latents [B, S, L], S = length + T; each latent row is
             [RMSNorm(c_kv) | k_pe] (k_pe rotated only in the RoPE ablation)
 
-All sequences of a batch share one length here (dense layout); ragged batches are the paged engine's job.
+  Optional, for ragged batches and long contexts (the paged engine state has both; checked by getattr):
+    reads   lengths                  long [B], row b's cached tokens c_b (rows may differ: a ragged batch).
+                                     Then `length` is max(c_b), row b's query t is key c_b + t, and the
+                                     latents `append` returns are [B, max(c_b) + T, L] with row b valid
+                                     up to c_b + T (padding after it, which the causal mask never shows)
+    calls   write(new [B, T, L]) -> None      store without gathering, then
+            blocks(block_size) -> iterator of latents [B, <= block_size, L] over keys [0, max(c_b) + T)
+                                     in order, each read straight from storage: the layer's
+                                     online-softmax path never holds all S keys at once
+  Per forward the layer calls exactly one of append / write (it chooses by the size of the attention,
+  k3.model.mla.DENSE_MAX_SCORES); either advances `length` (and `lengths`) by T.
+
+The dense `MLAState` keeps all rows at one length; ragged batches are the paged engine's (k3.infer).
 """
 
 from __future__ import annotations
@@ -72,6 +84,15 @@ class MLAState:
             new if self.latent is None else torch.cat([self.latent, new.to(self.latent.dtype)], dim=1)
         )
         return self.latent
+
+    def write(self, new: torch.Tensor) -> None:
+        """Append without returning the cache (the streaming half of the interface)."""
+        self.append(new)
+
+    def blocks(self, block_size: int):
+        """-> cached latents [B, <= block_size, R+Dr] in key order (views, no copy)."""
+        for s0 in range(0, self.length, block_size):
+            yield self.latent[:, s0 : s0 + block_size]
 
     @classmethod
     def zeros(cls, config: K3Config, batch_size: int, device=None, dtype=torch.bfloat16) -> MLAState:

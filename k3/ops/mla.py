@@ -15,10 +15,13 @@ Three equal ways to compute the same attention:
 * `mla_attention_absorbed` folds W_UK into the query (q_lat = W_UK^T q_nope, [H, R]) and W_UV into the
   output, so it attends over the [S, R+Dr] latent directly: MQA with one shared 576-dim key (decode);
 * `mla_attention_blockwise` is the absorbed form with an online softmax over key blocks, so [T, S] is
-  never materialized (long-context prefill).
+  never materialized (long-context prefill); `mla_attention_over_blocks` is its core, taking the keys as
+  a stream of latent blocks (the engine reads them page by page from its pool, never gathering [S, R+Dr]).
 
 Masks: `causal_mask` builds the boolean [B|1, T, S] mask (True = may attend) for queries that are the
-last T of the S keys (the cache convention), optionally block-diagonal by document ids. Scores and the
+last T of the S keys (the cache convention), optionally block-diagonal by document ids;
+`ragged_causal_mask` the [B, T, S] one of a ragged batch, where row b has q_offsets[b] cached keys (its
+query t is key q_offsets[b] + t, keys past its end are padding). Scores and the
 softmax are computed in fp32; the output has v's (or c_kv's) dtype. A query row with no visible key is
 undefined (NaN in the dense references); causal masks never produce one.
 """
@@ -107,6 +110,91 @@ def mla_attention_absorbed(
     return torch.einsum("bthr,hvr->bthv", o_lat, w_uv.float()).to(c_kv.dtype)
 
 
+def query_positions(T: int, S: int, q_offsets: torch.Tensor | None, device=None) -> torch.Tensor:
+    """Key position of each query: q_offsets[b] + t (ragged rows), or S - T + t (the cache convention)
+    -> long [B or 1, T]."""
+    if q_offsets is None:
+        if S < T:
+            raise ValueError(f"causal attention needs S >= T, got T={T}, S={S}")
+        return torch.arange(S - T, S, device=device)[None]
+    if q_offsets.dim() != 1:
+        raise ValueError(f"q_offsets must be [B], got {tuple(q_offsets.shape)}")
+    if bool((q_offsets < 0).any()) or int(q_offsets.max()) + T > S:
+        raise ValueError(f"q_offsets must lie in [0, S - T] = [0, {S - T}], got {q_offsets.tolist()}")
+    return q_offsets.to(device=device, dtype=torch.long)[:, None] + torch.arange(T, device=device)
+
+
+def ragged_causal_mask(q_offsets: torch.Tensor, T: int, S: int) -> torch.Tensor:
+    """Row b's query t sits at key position q_offsets[b] + t and sees keys s <= that -> bool [B, T, S].
+
+    Keys past a row's own end (q_offsets[b] + T) are padding of a ragged batch and never visible."""
+    q_pos = query_positions(T, S, q_offsets, q_offsets.device)
+    return torch.arange(S, device=q_offsets.device)[None, None, :] <= q_pos[:, :, None]
+
+
+def latent_blocks(c_kv: torch.Tensor, k_pe: torch.Tensor, block_size: int):
+    """c_kv [B, S, R], k_pe [B, S, Dr] -> blocks [B, <=block_size, R+Dr] in key order."""
+    for s0 in range(0, c_kv.shape[1], block_size):
+        yield torch.cat([c_kv[:, s0 : s0 + block_size], k_pe[:, s0 : s0 + block_size]], dim=-1)
+
+
+def mla_attention_over_blocks(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    blocks,
+    w_uk: torch.Tensor,
+    w_uv: torch.Tensor,
+    scale: float,
+    q_pos: torch.Tensor | None = None,
+    q_doc_ids: torch.Tensor | None = None,
+    k_doc_blocks=None,
+) -> torch.Tensor:
+    """Absorbed MLA with an online softmax over a stream of latent key blocks (memory O(H*T*block)).
+
+    q_nope [B, T, H, Dn], q_pe [B, T, H, Dr]; `blocks` yields latents [B, s_i, R+Dr] = [c_kv | k_pe] of
+    consecutive key positions starting at 0 (e.g. read block by block from a paged cache); w_uk [H, Dn, R],
+    w_uv [H, Dv, R]. Masking is structural: q_pos [B or 1, T] (query t of row b may see keys
+    s <= q_pos[b, t]; None = no causal mask) and doc ids q_doc_ids [B, T] with `k_doc_blocks` yielding
+    [B, s_i] alongside the blocks. The heads share the key (MQA), so they are folded into the query rows:
+    one [B, H*T, s_i] score block per key block -> o [B, T, H, Dv] in the blocks' dtype.
+    """
+    B, T, H, _ = q_nope.shape
+    R = w_uk.shape[-1]
+    q = torch.cat(
+        [torch.einsum("bthd,hdr->bhtr", q_nope.float(), w_uk.float()), q_pe.float().transpose(1, 2)], -1
+    )
+    q = (q * scale).reshape(B, H * T, -1)  # [B, H*T, R+Dr], scale folded in
+    m = torch.full((B, H * T, 1), float("-inf"), device=q.device)  # running max
+    l = torch.zeros(B, H * T, 1, device=q.device)  # running softmax denominator
+    acc = torch.zeros(B, H * T, R, device=q.device)  # running numerator, in latent space
+    doc_iter = iter(k_doc_blocks) if k_doc_blocks is not None else None
+    s0, dtype = 0, None
+    for lat in blocks:
+        dtype, s = lat.dtype, lat.shape[1]
+        lat = lat.float()
+        scores = (q @ lat.mT).view(B, H, T, s)  # [B, H, T, s]
+        keep = None
+        if q_pos is not None:
+            keep = torch.arange(s0, s0 + s, device=q.device)[None, None, :] <= q_pos[:, :, None]
+        if doc_iter is not None:
+            same = q_doc_ids[:, :, None] == next(doc_iter)[:, None, :]
+            keep = same if keep is None else keep & same
+        if keep is not None:
+            scores.masked_fill_(~keep[:, None], float("-inf"))
+        scores = scores.view(B, H * T, s)
+        m_new = torch.maximum(m, scores.amax(-1, keepdim=True))
+        m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)  # rows with nothing seen yet
+        p = scores.sub_(m_safe).exp_()  # in place: one [B, H*T, s] buffer per block
+        corr = torch.exp(m - m_safe)
+        l = l * corr + p.sum(-1, keepdim=True)
+        acc = torch.baddbmm(acc * corr, p, lat[..., :R])
+        m, s0 = m_new, s0 + s
+    if dtype is None:
+        raise ValueError("blocks yielded no keys")
+    o_lat = (acc / l).view(B, H, T, R)
+    return torch.einsum("bhtr,hvr->bthv", o_lat, w_uv.float()).to(dtype)
+
+
 def mla_attention_blockwise(
     q_nope: torch.Tensor,
     q_pe: torch.Tensor,
@@ -119,43 +207,25 @@ def mla_attention_blockwise(
     q_doc_ids: torch.Tensor | None = None,
     k_doc_ids: torch.Tensor | None = None,
     block_size: int = 512,
+    q_offsets: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`mla_attention_absorbed` with an online softmax over key blocks of `block_size` (memory O(T*block)).
 
     Shapes as in `mla_attention_absorbed`; the mask is given structurally instead of as a [T, S] tensor:
-    `causal` (queries are the last T of the S keys) and/or doc ids q_doc_ids [B, T], k_doc_ids [B, S].
+    `causal` (queries are the last T of the S keys, or with q_offsets [B] row b's query t is at key
+    position q_offsets[b] + t: a ragged batch, see `ragged_causal_mask`) and/or doc ids q_doc_ids [B, T],
+    k_doc_ids [B, S].
     """
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
     if (q_doc_ids is None) != (k_doc_ids is None):
         raise ValueError("q_doc_ids and k_doc_ids must be given together")
-    B, T, H, _ = q_nope.shape
-    S = c_kv.shape[1]
-    if causal and S < T:
-        raise ValueError(f"causal attention needs S >= T, got T={T}, S={S}")
-    q_lat = torch.einsum("bthd,hdr->bhtr", q_nope.float(), w_uk.float()) * scale  # [B, H, T, R]
-    q_rope = q_pe.float().transpose(1, 2) * scale  # [B, H, T, Dr]
-    q_pos = torch.arange(S - T, S, device=c_kv.device)
-    m = torch.full((B, H, T, 1), float("-inf"), device=c_kv.device)  # running max
-    l = torch.zeros(B, H, T, 1, device=c_kv.device)  # running softmax denominator
-    acc = torch.zeros(B, H, T, c_kv.shape[-1], device=c_kv.device)  # running numerator, latent space
-    for s0 in range(0, S, block_size):
-        c = c_kv[:, s0 : s0 + block_size].float()  # [B, s, R]
-        scores = (
-            q_lat @ c[:, None].transpose(-1, -2) + q_rope @ k_pe[:, None, s0 : s0 + block_size].float().mT
-        )
-        keep = torch.ones(1, 1, T, c.shape[1], dtype=torch.bool, device=c.device)
-        if causal:
-            keep = keep & (torch.arange(s0, s0 + c.shape[1], device=c.device)[None, :] <= q_pos[:, None])
-        if q_doc_ids is not None:
-            keep = keep & (q_doc_ids[:, None, :, None] == k_doc_ids[:, None, None, s0 : s0 + block_size])
-        scores = scores.masked_fill(~keep, float("-inf"))
-        m_new = torch.maximum(m, scores.amax(-1, keepdim=True))
-        m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)  # rows with nothing seen yet
-        p = torch.exp(scores - m_safe)
-        corr = torch.exp(m - m_safe)
-        l = l * corr + p.sum(-1, keepdim=True)
-        acc = acc * corr + p @ c[:, None]
-        m = m_new
-    o_lat = acc / l  # [B, H, T, R]
-    return torch.einsum("bhtr,hvr->bthv", o_lat, w_uv.float()).to(c_kv.dtype)
+    if q_offsets is not None and not causal:
+        raise ValueError("q_offsets needs causal=True")
+    T, S = q_nope.shape[1], c_kv.shape[1]
+    q_pos = query_positions(T, S, q_offsets, c_kv.device) if causal else None
+    k_docs = None
+    if k_doc_ids is not None:
+        k_docs = (k_doc_ids[:, s0 : s0 + block_size] for s0 in range(0, S, block_size))
+    blocks = latent_blocks(c_kv, k_pe, block_size)
+    return mla_attention_over_blocks(q_nope, q_pe, blocks, w_uk, w_uv, scale, q_pos, q_doc_ids, k_docs)

@@ -1,0 +1,99 @@
+"""MLAAttention's streaming path (online softmax over the state's latent blocks) and ragged states:
+chunked prefill of any chunk sizes == one pass, and a ragged batch == each row alone."""
+
+import pytest
+import torch
+from torch import nn
+
+import k3.model.mla as mla_mod
+from k3.config import preset
+from k3.infer.paged_state import PagedBatch, PagedMLAState
+from k3.model.layers import Linear
+from k3.model.mla import MLAAttention
+from k3.model.state import MLAState
+
+CFG = preset("k3-nano").replace(dtype="float32")
+ROPE = CFG.replace(mla_use_nope=False)
+
+
+def build(config) -> MLAAttention:
+    torch.manual_seed(0)
+    layer = MLAAttention(config, layer_idx=3)
+    for m in layer.modules():  # unit-scale projections so attention is far from uniform
+        if isinstance(m, Linear):
+            nn.init.normal_(m.weight, 0.0, 2.0 * m.in_features**-0.5)
+    return layer.eval()
+
+
+def inputs(B, T, seed=1):
+    return torch.randn(B, T, CFG.hidden_size, generator=torch.Generator().manual_seed(seed))
+
+
+def _rel_err(ref, got):
+    return ((ref.double() - got.double()).abs().max() / ref.double().abs().max()).item()
+
+
+class _NoAppend(MLAState):
+    """An MLAState whose dense gather is forbidden: proves the streaming path was taken."""
+
+    def append(self, new):
+        raise AssertionError("streaming path expected, got the dense gather")
+
+    def write(self, new):
+        MLAState.append(self, new)
+
+
+@pytest.mark.parametrize("config", [CFG, ROPE], ids=["nope", "rope"])
+@pytest.mark.parametrize("chunks", [[1] * 9, [5, 3, 1], [2, 7], [9]], ids=lambda c: "+".join(map(str, c)))
+def test_streaming_chunked_prefill_equals_one_pass(monkeypatch, config, chunks):
+    layer = build(config)
+    x = inputs(2, sum(chunks))
+    monkeypatch.setattr(mla_mod, "MIN_BLOCK", 2)  # several blocks, not dividing the key counts
+    with torch.no_grad():
+        full = layer(x)
+        monkeypatch.setattr(mla_mod, "DENSE_MAX_SCORES", 0)  # always stream
+        state, parts, t = _NoAppend(), [], 0
+        for n in chunks:
+            parts.append(layer(x[:, t : t + n], state=state))
+            t += n
+    assert state.length == x.shape[1]
+    assert _rel_err(full, torch.cat(parts, 1)) < 1e-5
+
+
+def test_threshold_picks_the_path(monkeypatch):
+    layer = build(CFG)
+    with torch.no_grad():
+        monkeypatch.setattr(mla_mod, "DENSE_MAX_SCORES", 31)
+        layer(inputs(1, 4), state=_NoAppend())  # H*T*S = 2*4*4 = 32 > 31: streams
+        monkeypatch.setattr(mla_mod, "DENSE_MAX_SCORES", 32)
+        with pytest.raises(AssertionError, match="streaming path expected"):
+            layer(inputs(1, 4), state=_NoAppend())  # 32 <= 32: dense
+
+
+@pytest.mark.parametrize("config", [CFG, ROPE], ids=["nope", "rope"])
+@pytest.mark.parametrize("stream", [False, True], ids=["dense", "streaming"])
+@pytest.mark.parametrize("T", [1, 3])
+def test_ragged_paged_batch_equals_rows_alone(monkeypatch, config, stream, T):
+    """Rows with 0, 5 and 11 cached tokens in scattered pages, fed T tokens together == each alone."""
+    if stream:
+        monkeypatch.setattr(mla_mod, "DENSE_MAX_SCORES", 0)
+        monkeypatch.setattr(mla_mod, "MIN_BLOCK", 3)
+    layer, ps, lengths = build(config), 4, [5, 0, 11]
+    W = config.kv_lora_rank + config.qk_rope_head_dim
+    pool = torch.full((16 * ps, W), 7.0)  # never-written rows hold garbage the mask must hide
+    tables = [[9, 2], [5], [0, 14, 3, 11]]  # pages per row, enough for c_b + T tokens
+    histories = [inputs(1, c, seed=10 + b) for b, c in enumerate(lengths)]
+    x = inputs(3, T, seed=20)
+    alone = []
+    with torch.no_grad():
+        for b, c in enumerate(lengths):
+            dense = MLAState()
+            if c:  # the history through the layer, alone and into the row's pages
+                layer(histories[b], state=dense)
+                single = PagedBatch.from_tables([tables[b]], [0], c, ps)
+                PagedMLAState(pool, single).write(dense.latent)
+            alone.append(layer(x[b : b + 1], state=dense))
+        state = PagedMLAState(pool, PagedBatch.from_tables(tables, lengths, T, ps))
+        together = layer(x, state=state)
+    assert state.lengths.tolist() == [c + T for c in lengths] and state.length == 11 + T
+    assert _rel_err(torch.cat(alone), together) < 1e-5
