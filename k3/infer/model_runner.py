@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from k3.infer.config import EngineConfig
+from k3.infer.media import embed_with_media
 from k3.infer.paged_state import PagedBatch, PagedMLAState
 from k3.infer.scheduler import StepPlan
 from k3.infer.sequence import Sequence
@@ -106,7 +107,16 @@ class ModelRunner:
                 state.append(KDAState(**{f: self.kda[i][f][slots] for f in _KDA_FIELDS}))
             else:
                 state.append(PagedMLAState(self.mla[i], batch))
-        h = self.model.model(ids, state=state)  # K3ForCausalLM.forward, with the head on the rows we need
+        if any(s.media for s in seqs):
+            embed = self.model.model.embed_tokens
+            rows = [
+                embed_with_media(embed, ids[b : b + 1], [s], c)
+                for b, (s, c) in enumerate(zip(seqs, starts, strict=True))
+            ]
+            inp = {"inputs_embeds": torch.cat(rows)}
+        else:
+            inp = {"input_ids": ids}
+        h = self.model.model(**inp, state=state)  # K3ForCausalLM.forward, with the head on the rows we need
         if not any(s.params.prompt_logprobs is not None for s in seqs):
             h = h[:, -1:]
         logits = self.model.lm_head(self.model.model.norm(h)).float()
