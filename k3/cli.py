@@ -34,6 +34,7 @@ COMMANDS: tuple[Command, ...] = (
     Command("export", "k3.parallel.dcp", "consolidate a DCP training checkpoint to the official layout"),
     Command("serve", "k3.serve.cli", "OpenAI-compatible HTTP server on the inference engine"),
     Command("chat", "k3.serve.chat", "interactive terminal chat on the inference engine"),
+    Command("generate", "k3.infer.generate_cli", "complete a prompt or an arbitrarily long prompt file"),
     Command("quantize", "k3.quant.cli", "convert a checkpoint's routed experts to MXFP4 (post-training)"),
     Command("bench", "k3.benchmark.cli", "run the benchmark suite: JSON, markdown table and plots"),
 )
