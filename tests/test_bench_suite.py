@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 import k3
+from k3.benchmark import suite
 from k3.benchmark.report import markdown_table, write_outputs
 from k3.benchmark.result import figure, goal_met, load_result, write_result
 from k3.benchmark.suite import Bench, find_bench_dir, run_bench, select
@@ -32,7 +33,7 @@ print("args", rest)
 """
 FAIL = "import sys\nprint('working...')\nprint('RuntimeError: out of cheese', file=sys.stderr)\nsys.exit(3)\n"
 NO_JSON = "print('done, but forgot the file')\n"
-SLOW = "import time\ntime.sleep(30)\n"
+SLOW = "import time\nprint('step 1 of 9', flush=True)\ntime.sleep(30)\n"
 
 
 def write_benches(tmp_path: Path, scripts: dict[str, str]) -> Path:
@@ -90,13 +91,18 @@ def test_all_ok_is_exit_0(tmp_path):
     assert doc["ok"] and doc["benches"][0]["result"]["params"]["args"] == []  # no --quick
 
 
-def test_missing_json_missing_script_and_timeout_are_failures(tmp_path):
+def test_missing_json_missing_script_and_timeout_are_failures(tmp_path, monkeypatch):
     d = write_benches(tmp_path, {"a": NO_JSON, "slow": SLOW})
+    monkeypatch.setattr(suite, "HEARTBEAT_S", 0.2)
+    beats = []
     runs = [
         run_bench(Bench("a", ""), d, tmp_path / "o"),
         run_bench(Bench("absent", ""), d, tmp_path / "o"),
-        run_bench(Bench("slow", ""), d, tmp_path / "o", timeout=0.5),
+        run_bench(
+            Bench("slow", ""), d, tmp_path / "o", timeout=1.5, heartbeat=lambda s, ln: beats.append(ln)
+        ),
     ]
+    assert beats and beats[-1] == "step 1 of 9"  # progress while it runs: its last output line
     assert [r.ok for r in runs] == [False, False, False]
     assert "no readable result JSON" in runs[0].error
     assert "no script" in runs[1].error

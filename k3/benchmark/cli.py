@@ -53,7 +53,8 @@ def run(args: argparse.Namespace) -> int:
     runs = []
     for i, bench in enumerate(benches, 1):
         print(f"[{i}/{len(benches)}] {bench.name}: {bench.what} ...", flush=True)
-        r = run_bench(bench, bench_dir, out, quick=args.quick, timeout=args.timeout, env=env)
+        tick = lambda s, line, b=bench.name: print(f"      {b}: {s:.0f} s ... {line[:100]}", flush=True)
+        r = run_bench(bench, bench_dir, out, quick=args.quick, timeout=args.timeout, env=env, heartbeat=tick)
         status = "ok" if r.ok else f"FAILED: {r.error}"
         print(f"[{i}/{len(benches)}] {bench.name}: {status} ({r.seconds:.0f} s, log {r.log})", flush=True)
         runs.append(r)

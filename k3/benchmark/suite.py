@@ -12,10 +12,13 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from k3.benchmark.result import load_result
+
+HEARTBEAT_S = 30.0  # seconds between progress lines of a running bench
 
 
 @dataclass(frozen=True)
@@ -92,8 +95,10 @@ def run_bench(
     quick: bool = False,
     timeout: float | None = None,
     env: dict | None = None,
+    heartbeat: Callable[[float, str], None] | None = None,
 ) -> BenchRun:
-    """Run one bench script; never raises for the bench's own failure (it is recorded in the run)."""
+    """Run one bench script; never raises for the bench's own failure (it is recorded in the run).
+    `heartbeat(seconds, last log line)` is called every HEARTBEAT_S while it runs (progress)."""
     script = bench_dir / f"{bench.name}.py"
     raw, log = out / "raw" / f"{bench.name}.json", out / "logs" / f"{bench.name}.log"
     raw.parent.mkdir(parents=True, exist_ok=True)
@@ -104,17 +109,16 @@ def run_bench(
     if not script.is_file():
         log.write_text(f"no script {script}\n")
         return BenchRun(bench.name, cmd, 0.0, None, log, error=f"no script {script}")
-    code: int | None
     with log.open("w") as f:
         f.write("$ " + " ".join(cmd) + "\n")
         f.flush()
-        try:
-            done = subprocess.run(
-                cmd, stdout=f, stderr=subprocess.STDOUT, timeout=timeout, env={**os.environ, **(env or {})}
-            )
-            code = done.returncode
-        except subprocess.TimeoutExpired:
-            code = None
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+
+        def tick() -> None:
+            if heartbeat is not None:
+                heartbeat(time.perf_counter() - t0, _last_line(log))
+
+        code = _wait(proc, t0, timeout, tick)
     run = BenchRun(bench.name, cmd, time.perf_counter() - t0, code, log)
     if code is None:
         run.error = f"timed out after {timeout:g} s"
@@ -127,6 +131,21 @@ def run_bench(
         except ValueError as e:
             run.error = str(e)
     return run
+
+
+def _wait(proc: subprocess.Popen, t0: float, timeout: float | None, tick) -> int | None:
+    """The exit code, or None after killing a process that ran past `timeout` seconds."""
+    while True:
+        left = None if timeout is None else timeout - (time.perf_counter() - t0)
+        if left is not None and left <= 0:
+            proc.kill()
+            proc.wait()
+            return None
+        try:
+            return proc.wait(timeout=HEARTBEAT_S if left is None else min(HEARTBEAT_S, left))
+        except subprocess.TimeoutExpired:
+            if left is None or left > HEARTBEAT_S:
+                tick()
 
 
 def _last_line(log: Path) -> str:
