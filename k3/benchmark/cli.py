@@ -22,12 +22,17 @@ from k3.benchmark.suite import BENCHES, find_bench_dir, run_bench, select
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     names = ", ".join(b.name for b in BENCHES)
-    p.description = __doc__.split("\n\n")[0] + f" Benches, in order: {names}."
+    p.description = (
+        f"Run the benchmark suite ({names}; each bench a subprocess) and write OUT/bench.json, OUT/bench.md "
+        "and plots. A failed bench is a FAILED row and makes the exit code 1. See docs/benchmarks.md."
+    )
     p.add_argument("--only", metavar="NAMES", help=f"comma-separated subset of: {names}")
     p.add_argument("--quick", action="store_true", help="small settings: a smoke run, not figures to quote")
     p.add_argument("--out", metavar="DIR", help="output folder (default: runs/bench-<date>-<time>)")
     p.add_argument("--threads", type=int, help="OMP_NUM_THREADS for the benches (default: inherited)")
-    p.add_argument("--timeout", type=float, default=3600.0, help="seconds per bench before it fails")
+    p.add_argument(
+        "--timeout", type=float, default=3600.0, help="seconds per bench before it fails (default 3600)"
+    )
     p.add_argument("--bench-dir", metavar="DIR", help="the bench/ scripts folder (default: the checkout's)")
     p.add_argument("--list", action="store_true", help="list the benches and exit")
 
