@@ -8,8 +8,9 @@ with three differences that this file converts:
 * KDA `A_log` is per head, [H] in memory, but stored zero-padded to the next multiple of 128 (the release
   stores 96 heads as [128], SPEC §2.3 / §8.1); on load we also accept [H] and the legacy [1, 1, H, 1];
 * the release stores the routed experts as MXFP4 (`weight_packed` / `weight_scale` uint8, SPEC §2.6);
-  on load they are decoded with `k3.quant.mx.dequantize_mx` to BF16, which is exact (an FP4 value times a
-  power of two always fits BF16). We always write BF16/FP32 experts (`weight`).
+  on load they are decoded with `k3.quant.mx.dequantize_mx` to BF16 (FP32 if the embedding is FP32), which
+  is exact (an FP4 value times a power of two always fits BF16). We always write BF16/FP32 experts
+  (`weight`).
 
 On load we also accept vLLM's alternative prefix `language_model.layers.*` (= `language_model.model.
 layers.*`) and bare Kimi-Linear names without `language_model.`. The multimodal tensors (`vision_tower.*`,
@@ -145,9 +146,10 @@ def from_official(tensors: dict[str, torch.Tensor], config: K3Config) -> dict[st
             state[ours] = unpad_a_log(t, heads)
         else:
             state[ours] = t
+    dequant_dtype = _dequantize_dtype(state)
     for (layer, w, e), parts in packed.items():
         experts[(layer, w)][e] = _dequantize_expert(
-            f"{PREFIX}model.layers.{layer}.block_sparse_moe.experts.{e}.{w}", parts
+            f"{PREFIX}model.layers.{layer}.block_sparse_moe.experts.{e}.{w}", parts, dequant_dtype
         )
     for (layer, w), per_expert in experts.items():
         name = f"model.layers.{layer}.block_sparse_moe.experts.{w}"
@@ -175,8 +177,19 @@ def _stack_experts(name: str, per_expert: dict[int, torch.Tensor], num_experts: 
     return torch.stack([per_expert[e] for e in range(num_experts)])
 
 
-def _dequantize_expert(name: str, parts: dict[str, torch.Tensor]) -> torch.Tensor:
-    """MXFP4 `weight_packed` [out, in/2] + `weight_scale` [out, in/32] (uint8) -> BF16 [out, in] (exact)."""
+def _dequantize_dtype(state: dict[str, torch.Tensor]) -> torch.dtype:
+    """Dtype of dequantized MXFP4 experts: the embedding's when it is FP32/FP64 (a checkpoint quantized
+    with `k3 quantize --dtype keep` from an FP32 one), else BF16 -- both exact, and the model gets one
+    compute dtype. (FP16 cannot hold every MXFP4 value, so an FP16 checkpoint still gets BF16 experts.)"""
+    emb = state.get("model.embed_tokens.weight")
+    return emb.dtype if emb is not None and emb.dtype in (torch.float32, torch.float64) else torch.bfloat16
+
+
+def _dequantize_expert(
+    name: str, parts: dict[str, torch.Tensor], dtype: torch.dtype = torch.bfloat16
+) -> torch.Tensor:
+    """MXFP4 `weight_packed` [out, in/2] + `weight_scale` [out, in/32] (uint8) -> [out, in] in `dtype`
+    (BF16 or wider: exact)."""
     lacking = [p for p in _PACKED_PARTS if p not in parts]
     if lacking:
         raise ValueError(f"{name}: packed MXFP4 expert lacks {', '.join(lacking)}")
@@ -187,7 +200,7 @@ def _dequantize_expert(name: str, parts: dict[str, torch.Tensor]) -> torch.Tenso
             f"{name}: packed MXFP4 checkpoints are loaded by k3.quant, which is not available"
         ) from None
     try:
-        return dequantize_mx(parts["weight_packed"], parts["weight_scale"], "mxfp4", dtype=torch.bfloat16)
+        return dequantize_mx(parts["weight_packed"], parts["weight_scale"], "mxfp4", dtype=dtype)
     except ValueError as err:
         raise ValueError(f"{name}: {err}") from None
 

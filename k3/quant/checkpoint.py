@@ -15,7 +15,7 @@ In the release every routed-expert matrix `...block_sparse_moe.experts.{e}.w{1,2
   a model whose experts are already packed is written without re-quantizing;
 * `load_mxfp4_checkpoint(dir, packed=True)`: a model whose experts stay packed (`PackedRoutedExperts`,
   filled from the file bytes, never materialized in high precision); `packed=False` dequantizes them
-  (the plain `k3.checkpoint.load_checkpoint` does the same, to BF16).
+  (the plain `k3.checkpoint.load_checkpoint` does the same, to BF16, or FP32 for an FP32 checkpoint).
 
 Re-exporting a loaded checkpoint reproduces its bytes exactly: quantize∘dequantize is the identity on
 MXFP4 values, and BF16 holds every MXFP4 value exactly.

@@ -16,6 +16,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-seqs", type=int, default=16, help="KDA state slots = concurrent sequences")
     parser.add_argument("--no-prefix-cache", action="store_true", help="disable the hybrid prefix cache")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument(
+        "--dequantize",
+        action="store_true",
+        help="MXFP4 checkpoint: dequantize the routed experts to the model dtype (default: keep them packed)",
+    )
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -31,17 +36,39 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def build_engine(args):
     from k3.infer.config import EngineConfig
-    from k3.infer.engine import Engine
 
     n = args.max_model_len
     pages = args.num_pages or -(-4 * n // args.page_size)
     cfg = EngineConfig(page_size=args.page_size, prefix_unit=min(64, args.page_size), num_pages=pages,
                        max_num_seqs=args.max_num_seqs, max_model_len=n,
                        enable_prefix_cache=not args.no_prefix_cache)  # fmt: skip
-    engine = Engine.from_checkpoint(args.checkpoint, cfg, device=args.device)
+    from k3.vision.serving import is_vl_checkpoint, load_vl_engine
+
+    if is_vl_checkpoint(args.checkpoint):  # images through the chat API (k3.vision.serving)
+        engine = load_vl_engine(args.checkpoint, cfg, device=args.device)
+    else:
+        engine = load_engine(args.checkpoint, cfg, args.device, dequantize=args.dequantize)
     if engine.tokenizer is None:
         raise ValueError(f"checkpoint {args.checkpoint!r} has no tokenizer files (tokenizer_config.json)")
     return engine
+
+
+def load_engine(ckpt_dir: str, cfg, device: str = "cpu", dequantize: bool = False):
+    """Engine on a checkpoint dir. An MXFP4 one (`k3 quantize`, the release) keeps its routed experts packed
+    (k3.quant.packed: 4.25 bits/weight, dequantized per expert per call) unless `dequantize`."""
+    from pathlib import Path
+
+    from k3.config import K3Config
+    from k3.infer.engine import Engine
+    from k3.quant.checkpoint import is_mxfp4_config, load_mxfp4_checkpoint
+    from k3.tokenizer import K3Tokenizer
+
+    d = Path(ckpt_dir)
+    if not (d / "config.json").exists() or not is_mxfp4_config(K3Config.load(d)):
+        return Engine.from_checkpoint(ckpt_dir, cfg, device=device)
+    model, _ = load_mxfp4_checkpoint(d, packed=not dequantize, device=device)
+    tokenizer = K3Tokenizer.from_dir(d) if (d / "tokenizer_config.json").exists() else None
+    return Engine(model, cfg, tokenizer=tokenizer)
 
 
 def run(args) -> int:

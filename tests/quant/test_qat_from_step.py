@@ -2,58 +2,32 @@
 fake-quantized from N on, and a resumed run switches at the same step."""
 
 import argparse
-import json
-import random
 
 import pytest
 
 from k3.quant.qat import QATRoutedExperts, qat_enabled
 from k3.train.checkpointing import step_dirs
 from k3.train.cli import add_arguments, train_config_from_args
-from k3.train.config import TrainConfig, nano_smoke
+from k3.train.config import TrainConfig
 from k3.train.metrics import read_metrics
 from k3.train.trainer import Trainer, resume_config
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    root = tmp_path_factory.mktemp("qat-corpus")
-    rng = random.Random(0)
-    with (root / "corpus.jsonl").open("w") as f:
-        for i in range(400):
-            a, b = rng.choice(["x", "y", "total"]), rng.choice(["n", "items", "value"])
-            f.write(
-                json.dumps({"text": f"def {a}_{i}({b}):\n    return {b} * {i % 7} + {rng.randint(0, 99)}\n"})
-            )
-            f.write("\n")
-    return root
-
-
-@pytest.fixture(autouse=True)
-def _cache(tmp_path_factory, monkeypatch):
-    monkeypatch.setenv("K3_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "k3-cache"))
-
-
-def _tc(corpus, out, **changes):
-    return nano_smoke(data=str(corpus), out=str(out), threads=1, steps=4, sample_tokens=0, **changes)
 
 
 def _losses(run_dir):
     return {r["step"]: r["loss"] for r in read_metrics(run_dir / "metrics.jsonl") if r["kind"] == "train"}
 
 
-def test_qat_from_step_switches_at_n_and_resume_keeps_it(corpus, tmp_path):
-    Trainer(_tc(corpus, tmp_path / "plain"), quiet=True).run(measure_peak=False)
-    qat_tc = _tc(
-        corpus, tmp_path / "qat", model_transforms=("qat-mx",), qat_from_step=2, save_every=1, keep=4
+def test_qat_from_step_switches_at_n_and_resume_keeps_it(nano_run_config, plain_run, tmp_path):
+    tc = nano_run_config(
+        tmp_path / "qat", model_transforms=("qat-mx",), qat_from_step=2, save_every=1, keep=4
     )
-    trainer = Trainer(qat_tc, quiet=True)
+    trainer = Trainer(tc, quiet=True)
     assert any(isinstance(m, QATRoutedExperts) for m in trainer.model.modules())
     assert not qat_enabled(trainer.model)  # built switched off
     trainer.run(measure_peak=False)
     assert qat_enabled(trainer.model)
 
-    plain, qat = _losses(tmp_path / "plain"), _losses(tmp_path / "qat")
+    plain, qat = _losses(plain_run), _losses(tmp_path / "qat")
     # metrics step k logs the loss of optimizer step k-1: steps 0, 1 high precision, exactly the plain run
     assert [qat[k] for k in (1, 2)] == [plain[k] for k in (1, 2)]
     assert qat[3] != plain[3] and qat[4] != plain[4]  # step 2 on: fake-quantized forward
