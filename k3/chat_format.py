@@ -18,6 +18,12 @@ Preserved thinking: every earlier assistant turn is rendered with its own `reaso
 trained; `preserve_thinking=False` renders those channels empty). Structural text is encoded with the
 markers; all user, tool and argument text is encoded with reserved names disallowed, so it cannot forge
 markers (`K3Tokenizer.encode(allow_special=False)`).
+
+Images: with an `images` list passed to `render`, a user message's OpenAI `image_url` content part
+becomes the plain text `<|kimi_image_placeholder|>` followed by a newline at its place among the text
+parts, and its URL is appended to `images`; the model side expands each placeholder into the media
+tokens (`k3.vision.media`, SPEC §5.4). A literal placeholder anywhere in the message text is refused
+(ValueError), so text cannot claim an image slot. Without `images`, image parts raise ValueError.
 """
 
 from __future__ import annotations
@@ -26,11 +32,14 @@ import json
 import re
 from dataclasses import dataclass
 
+from k3.vision.config import IMAGE_PLACEHOLDER
+
 OPEN, CLOSE, SEP, END = "<|open|>", "<|close|>", "<|sep|>", "<|end_of_msg|>"
 MARKERS = (OPEN, CLOSE, SEP, END)
 EFFORTS = ("low", "high", "max")
 ROLES = ("system", "user", "assistant", "tool")
 TOOLS_HEADER = "# Tools\nYou can call the following tools. Their declarations, as JSON:\n"
+IMAGE_SLOT = IMAGE_PLACEHOLDER + "\n"  # what one image_url part renders as
 
 
 @dataclass
@@ -70,13 +79,27 @@ def _message(role: str, body: list[tuple[str, bool]], **attrs) -> list[tuple[str
     return _open("message", role=role, **attrs) + body + _close("message") + [(END, True)]
 
 
-def _text(content) -> str:
-    """OpenAI content: a string, None, or a list of {"type": "text", "text": ...} parts."""
+def _text(content, images: list | None = None) -> str:
+    """OpenAI content: a string, None, or a list of {"type": "text", "text": ...} parts, and, when
+    `images` collects them, {"type": "image_url", "image_url": {"url": ...}} parts (-> IMAGE_SLOT)."""
     if content is None or isinstance(content, str):
         return content or ""
-    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content):
-        return "".join(str(p.get("text", "")) for p in content)
-    raise ValueError("message content must be a string or a list of text parts")
+    if not (isinstance(content, list) and all(isinstance(p, dict) for p in content)):
+        raise ValueError("message content must be a string or a list of content parts")
+    out = []
+    for p in content:
+        kind = p.get("type")
+        if kind == "text":
+            out.append(str(p.get("text", "")))
+        elif kind == "image_url" and images is not None:
+            url = p.get("image_url")
+            images.append(url.get("url") if isinstance(url, dict) else url)
+            out.append(IMAGE_SLOT)
+        elif kind == "image_url":
+            raise ValueError("image_url content parts are accepted only in user messages, by a vision model")
+        else:
+            raise ValueError(f"unsupported content part type {kind!r} (text or image_url)")
+    return "".join(out)
 
 
 def _arg_type(v) -> str:
@@ -122,9 +145,12 @@ def render(
     tools: list[dict] | None = None,
     options: ChatOptions | None = None,
     add_generation_prompt: bool = True,
+    images: list | None = None,
 ) -> list[tuple[str, bool]]:
-    """Messages (OpenAI chat format) -> segments [(text, is_marker)] of the prompt."""
+    """Messages (OpenAI chat format) -> segments [(text, is_marker)] of the prompt. `images`: a list
+    that collects the user messages' image_url URLs in order (one placeholder each in the text)."""
     opts = options or ChatOptions()
+    first_image = len(images) if images is not None else 0
     if not isinstance(messages, list) or not messages:
         raise ValueError("messages must be a non-empty list")
     segs: list[tuple[str, bool]] = []
@@ -151,7 +177,15 @@ def render(
             name, index = calls.get(msg.get("tool_call_id", ""), (msg.get("name"), None))
             segs += _message("tool", [(_text(msg.get("content")), False)], tool=name, index=index)
         else:
-            segs += _message(role, [(_text(msg.get("content")), False)], name=msg.get("name"))
+            content = _text(msg.get("content"), images if role == "user" else None)
+            segs += _message(role, [(content, False)], name=msg.get("name"))
+    if images is not None:
+        found = sum(text.count(IMAGE_PLACEHOLDER) for text, marker in segs if not marker)
+        if found != len(images) - first_image:
+            raise ValueError(
+                f"message text must not contain the image placeholder {IMAGE_PLACEHOLDER!r} "
+                "(send images as image_url content parts)"
+            )
     if add_generation_prompt:
         segs += _open("message", role="assistant") + _open("think" if opts.thinking else "response")
     return segs

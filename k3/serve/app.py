@@ -5,10 +5,17 @@ validated (422); a wrong API key is 401, an unknown model 404, a prompt or max_t
 the context 400, a full queue 503. Errors use OpenAI's error JSON. A streaming client that disconnects
 aborts its request (the async engine frees the slot). The API key is also the prefix-cache salt, so
 tenants never share cached state.
+
+Images (an engine with `.vision`, `k3.vision.serving.load_vl_engine`): user messages may carry OpenAI
+`image_url` parts as data: URLs (base64 PNG/JPEG). Remote URLs, undecodable, truncated or oversized
+images and literal image placeholders in the text answer 400 for that request alone; the images are
+decoded and embedded before the request reaches the engine, and each image's content hash enters the
+prefix-cache keys of the units its tokens occupy (`k3.infer.media`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 from dataclasses import dataclass
 
@@ -17,11 +24,12 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException
 
-from k3.chat_format import ChatOptions, encode_chat, parse_generation
+from k3.chat_format import ChatOptions, encode_segments, parse_generation, render
 from k3.infer.async_engine import AsyncEngine, QueueFull
 from k3.infer.sequence import SamplingParams
 from k3.serve import responses as R
 from k3.serve.protocol import ChatCompletionRequest, CompletionRequest, error_body, new_id, now
+from k3.vision.image_io import ImageError
 
 
 @dataclass(frozen=True)
@@ -84,9 +92,9 @@ def create_app(engine: AsyncEngine, cfg: ServeConfig) -> FastAPI:
             raise APIError(404, f"model {req.model!r} does not exist", "not_found_error", "model")
         return req, salt
 
-    async def start(prompt: list[int], params: SamplingParams, salt: str):
+    async def start(prompt: list[int], params: SamplingParams, salt: str, media=()):
         """-> (async event iterator, first event); errors before any output become HTTP errors."""
-        agen = engine.generate(prompt, params, salt)
+        agen = engine.generate(prompt, params, salt, media=media)
         try:
             first = await agen.__anext__()
         except QueueFull as e:
@@ -117,13 +125,20 @@ def create_app(engine: AsyncEngine, cfg: ServeConfig) -> FastAPI:
         req, salt = await parse(request, ChatCompletionRequest)
         opts = _chat_options(req)
         messages = [_message(m) for m in req.messages]
+        vision = getattr(engine.engine, "vision", None)
+        urls = [] if vision is not None else None
         try:
-            prompt = encode_chat(tok, messages, req.tools, opts)
+            segments = render(messages, req.tools, opts, images=urls)
+            images = await asyncio.to_thread(vision.load, urls) if urls else []
+            prompt = vision.encode(tok, segments, images) if images else encode_segments(tok, segments)
+        except ImageError as e:
+            raise APIError(400, f"messages: image_url: {e} ({e.reason})", param="messages") from None
         except (ValueError, KeyError, TypeError, AttributeError) as e:
             raise APIError(400, f"messages: {e}", param="messages") from None
         max_tokens = _fit(len(prompt), req.max_completion_tokens or req.max_tokens, cfg.max_model_len, 1)
         top = (req.top_logprobs or 0) if req.logprobs else None
-        agen, first = await start(prompt, _params(req, max_tokens, logprobs=top), salt)
+        media = await asyncio.to_thread(vision.spans, prompt, images) if images else ()
+        agen, first = await start(prompt, _params(req, max_tokens, logprobs=top), salt, media)
         rid, ctx = (
             new_id("chatcmpl"),
             (tok, cfg.served_model_name, len(prompt), opts.thinking, req.stop_list()),
