@@ -154,7 +154,7 @@ def main(argv=None) -> None:
     print(f"MFU (whole step) {100 * mfu:.1f} %")
     figures = [
         figure(
-            f"training step, {a.preset} {a.batch}x{a.seq_len} {a.optimizer}: model GFLOP/s (MFU)",
+            f"MFU of a training step ({a.preset}, {a.batch}x{a.seq_len}, {a.optimizer})",
             flops["total"] * tok_s / 1e9,
             "GFLOP/s",
             peer="fp32 torch.matmul peak" if not a.bf16 else "bf16 torch.matmul peak",
@@ -168,7 +168,7 @@ def main(argv=None) -> None:
         print(f"forward+backward alone: median {fb_med:.2f} s -> MFU {100 * fb_mfu:.1f} %")
         figures.append(
             figure(
-                "forward + backward only (no optimizer): model GFLOP/s (MFU)",
+                "MFU of forward + backward alone (no optimizer step)",
                 flops["total"] * tokens / fb_med / 1e9,
                 "GFLOP/s",
                 peer="same matmul peak",
