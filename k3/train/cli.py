@@ -66,6 +66,12 @@ def _train_args(p: argparse.ArgumentParser) -> None:
         choices = {"--optimizer": ("muon", "adamw"), "--schedule": ("cosine", "wsd")}.get(flag)
         p.add_argument(flag, type=typ, default=None, help=help_, choices=choices)
     p.add_argument("--resume", metavar="DIR", help="continue a run (its directory or one checkpoint)")
+    p.add_argument(
+        "--task",
+        choices=("text", "vision"),
+        default=None,
+        help="vision: the image-text task on a VL preset (k3-tiny-vl; k3.vision.train_vl, docs/vision.md)",
+    )
     p.add_argument("--bf16", action="store_true", default=None, help="bf16 autocast for the forward")
     p.add_argument("--no-per-head", action="store_true", help="whole-matrix Muon (no per-head split)")
     p.add_argument("--no-qk-clip", action="store_true", help="disable QK-Clip")
@@ -117,6 +123,10 @@ def train_config_from_args(args: argparse.Namespace) -> TrainConfig:
 def run_train(args: argparse.Namespace) -> int:
     from k3.train.trainer import Trainer, TrainingStopped
 
+    if args.task == "vision":
+        from k3.vision.train_vl import run_from_train_cli
+
+        return run_from_train_cli(args)
     tc = train_config_from_args(args)
     try:
         trainer = Trainer(tc, resume=args.resume)

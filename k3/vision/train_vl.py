@@ -1,8 +1,9 @@
 """Train a tiny K3 VL model on the synthetic image-text task (or a `--data` folder) and measure held-out
 QA accuracy by greedy generation. A self-contained loop (AdamW, warmup-cosine from k3.optim.schedule,
-Quantile-Balancing router updates) until `k3 train --task vision` exists.
+Quantile-Balancing router updates); `k3 train --task vision` runs it with the k3 train flags mapped.
 
     python -m k3.vision.train_vl --preset k3-tiny-vl --steps 1500 --out runs/tiny-vl
+    k3 train --task vision --preset k3-tiny-vl --steps 1500 --batch-size 32 --out runs/tiny-vl
 
 Each sample is a chat turn in the XTML format with thinking off (`k3.chat_format`): the user message is
 `<|kimi_image_placeholder|>\\n{question}` (expanded to the media tokens, SPEC §5.4), and the loss is on the
@@ -215,6 +216,35 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.steps <= 0 or args.batch <= 0 or not math.isfinite(args.lr) or args.lr <= 0:
         p.error("--steps, --batch and --lr must be positive")
     return args
+
+
+# `k3 train --task vision`: the k3 train flags this loop understands -> its own flags
+_FROM_TRAIN_CLI = {"preset": "--preset", "data": "--data", "steps": "--steps", "batch_size": "--batch",
+                   "lr": "--lr", "weight_decay": "--wd", "warmup_steps": "--warmup", "seed": "--seed",
+                   "threads": "--threads", "eval_every": "--eval-every", "log_every": "--log-every",
+                   "out": "--out"}  # fmt: skip
+
+
+def run_from_train_cli(args: argparse.Namespace) -> int:
+    """`k3 train --task vision [--preset k3-tiny-vl] ...`: this loop with the k3 train flags mapped;
+    a k3 train flag it has no meaning for raises ValueError naming it."""
+    ignore = {"task", "_command", "_parser", "preset"}
+    unused = [
+        k
+        for k, v in vars(args).items()
+        if k not in ignore and k not in _FROM_TRAIN_CLI and v not in (None, False)
+    ]
+    if unused:
+        flags = ", ".join("--" + k.replace("_", "-") for k in sorted(unused))
+        raise ValueError(
+            f"--task vision does not take {flags} (it takes {', '.join(_FROM_TRAIN_CLI.values())})"
+        )
+    argv = ["--preset", args.preset or "k3-tiny-vl"]
+    for key, flag in _FROM_TRAIN_CLI.items():
+        if key != "preset" and getattr(args, key, None) is not None:
+            argv += [flag, str(getattr(args, key))]
+    result = train(parse_args(argv))
+    return 0 if math.isfinite(result["accuracy"]) else 1
 
 
 def main(argv=None) -> None:
