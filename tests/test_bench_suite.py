@@ -16,7 +16,7 @@ from k3.cli import main
 ROOT = Path(__file__).resolve().parents[1]
 
 GOOD = """
-import argparse, json, sys
+import argparse, json, os, sys
 p = argparse.ArgumentParser()
 p.add_argument("--json")
 a, rest = p.parse_known_args()
@@ -28,7 +28,8 @@ figs = [
 ]
 series = [dict(label="measured", x=[1, 2, 4], y=[1, 2, 4]), dict(label="bound", x=[1, 4], y=[1, 4])]
 plots = [dict(name="curve", xlabel="T", ylabel="MiB", logx=True, series=series)]
-json.dump(dict(bench="NAME", figures=figs, plots=plots, params=dict(args=rest)), open(a.json, "w"))
+params = dict(args=rest, omp=os.environ.get("OMP_NUM_THREADS"))
+json.dump(dict(bench="NAME", figures=figs, plots=plots, params=params), open(a.json, "w"))
 print("args", rest)
 """
 FAIL = "import sys\nprint('working...')\nprint('RuntimeError: out of cheese', file=sys.stderr)\nsys.exit(3)\n"
@@ -84,11 +85,17 @@ def test_cli_writes_json_markdown_plots_and_reports_a_failure(tmp_path, capsys):
     assert "out of cheese" in (out / "logs" / "prefix_cache.log").read_text()
 
 
-def test_all_ok_is_exit_0(tmp_path):
+def test_all_ok_is_exit_0_and_threads_reach_the_benches(tmp_path, monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "7")
     d = write_benches(tmp_path, {"training": GOOD})
-    assert main(["bench", "--bench-dir", str(d), "--only", "training", "--out", str(tmp_path / "o")]) == 0
-    doc = json.loads((tmp_path / "o" / "bench.json").read_text())
-    assert doc["ok"] and doc["benches"][0]["result"]["params"]["args"] == []  # no --quick
+    out = tmp_path / "o"
+    assert (
+        main(["bench", "--bench-dir", str(d), "--only", "training", "--threads", "1", "--out", str(out)]) == 0
+    )
+    doc = json.loads((out / "bench.json").read_text())
+    assert doc["ok"] and doc["benches"][0]["result"]["params"] == {"args": [], "omp": "1"}  # no --quick
+    assert doc["machine"]["omp_num_threads"] == "1" and doc["machine"]["torch_threads"] == 1
+    assert "--threads 1" in doc["command"]
 
 
 def test_missing_json_missing_script_and_timeout_are_failures(tmp_path, monkeypatch):

@@ -10,7 +10,6 @@ OUT/logs/NAME.log; a bench that fails is a FAILED row in the table and makes the
 from __future__ import annotations
 
 import argparse
-import os
 import shlex
 import sys
 import time
@@ -50,9 +49,8 @@ def run(args: argparse.Namespace) -> int:
     bench_dir = find_bench_dir(args.bench_dir)
     out = Path(args.out) if args.out else Path("runs") / time.strftime("bench-%Y%m%d-%H%M%S")
     env = {"OMP_NUM_THREADS": str(args.threads), "MKL_NUM_THREADS": str(args.threads)} if args.threads else {}
-    os.environ.update(env)  # so machine_info reports the benches' thread count
     command = _command_line(args, out)
-    machine = machine_info(bench_dir.parent)
+    machine = machine_info(bench_dir.parent, threads=args.threads)
     print(f"machine: {describe_machine(machine)}")
     print(f"output: {out}")
     runs = []

@@ -28,8 +28,9 @@ COLUMNS = ("bench", "figure", "value", "peer / limit", "ratio", "goal", "met")
 # ---- the machine ----------------------------------------------------------------------------------
 
 
-def machine_info(repo: Path | None = None) -> dict:
-    """CPU model, cores, threads, memory, torch/python versions, date, git commit of `repo`."""
+def machine_info(repo: Path | None = None, threads: int | None = None) -> dict:
+    """CPU model, cores, threads, memory, torch/python versions, date, git commit of `repo`. `threads`:
+    the OMP_NUM_THREADS the benches get, when it is set for them rather than inherited."""
     import torch
 
     cpu = _cpuinfo()
@@ -37,8 +38,8 @@ def machine_info(repo: Path | None = None) -> dict:
         "cpu": cpu.get("model name", platform.processor() or platform.machine()),
         "logical_cores": os.cpu_count(),
         "physical_cores": cpu.get("physical_cores"),
-        "torch_threads": torch.get_num_threads(),
-        "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+        "torch_threads": threads or torch.get_num_threads(),
+        "omp_num_threads": str(threads) if threads else os.environ.get("OMP_NUM_THREADS"),
         "memory_gib": _mem_gib(),
         "load_average": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None,
         "torch": torch.__version__,
