@@ -1,6 +1,7 @@
 """`k3 bench`: the suite runner on fake bench scripts (tiny programs writing JSON), never the real suite."""
 
 import json
+import sys
 import textwrap
 from pathlib import Path
 
@@ -151,6 +152,14 @@ def test_select_and_bench_dir(tmp_path, monkeypatch):
     monkeypatch.setattr(k3, "__file__", str(tmp_path / "site-packages" / "k3" / "__init__.py"))
     with pytest.raises(ValueError, match="pip install -e"):
         find_bench_dir()
+
+
+def test_missing_matplotlib_fails_before_any_bench(tmp_path, monkeypatch, capsys):
+    d = write_benches(tmp_path, {"training": GOOD})
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` raises ImportError
+    assert main(["bench", "--bench-dir", str(d), "--only", "training", "--out", str(tmp_path / "o")]) == 2
+    assert "pip install matplotlib" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
 
 
 def test_bad_option_is_a_user_error(capsys):

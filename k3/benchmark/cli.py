@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-from k3.benchmark.report import describe_machine, machine_info, write_outputs
+from k3.benchmark.report import describe_machine, machine_info, pyplot, write_outputs
 from k3.benchmark.suite import BENCHES, find_bench_dir, run_bench, select
 
 
@@ -47,6 +47,7 @@ def run(args: argparse.Namespace) -> int:
     if args.timeout <= 0:
         raise ValueError(f"--timeout: must be > 0, got {args.timeout}")
     bench_dir = find_bench_dir(args.bench_dir)
+    pyplot()  # fail before the benches, not after them, if matplotlib is missing
     out = Path(args.out) if args.out else Path("runs") / time.strftime("bench-%Y%m%d-%H%M%S")
     env = {"OMP_NUM_THREADS": str(args.threads), "MKL_NUM_THREADS": str(args.threads)} if args.threads else {}
     command = _command_line(args, out)

@@ -212,7 +212,7 @@ def markdown_report(runs: list[BenchRun], machine: dict, command: str) -> str:
 # ---- plots ----------------------------------------------------------------------------------------
 
 
-def _pyplot():
+def pyplot():
     try:
         import matplotlib
     except ImportError as e:  # a core dependency, but say what to do if it went missing
@@ -228,7 +228,7 @@ def plot_ratios(runs: list[BenchRun], path: Path) -> Path | None:
     items = [(f"{r.name}: {f['figure']}", f) for r in runs for f in r.figures if _positive(f.get("ratio"))]
     if not items:
         return None
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(9, 0.45 * len(items) + 1.4), dpi=110)
     colors = {True: "tab:green", False: "tab:red", None: "tab:gray"}
     for i, (_, f) in enumerate(items):
@@ -257,7 +257,7 @@ def plot_curves(bench: str, spec: dict, path: Path) -> Path | None:
     series = [s for s in spec.get("series", []) if s.get("x") and s.get("y")]
     if not series:
         return None
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
     for s in series:
         ax.plot(s["x"], s["y"], s.get("style", "o-"), label=s.get("label", ""), lw=1.4, ms=4)
