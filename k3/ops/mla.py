@@ -168,13 +168,14 @@ def mla_attention_over_blocks(
     l = torch.zeros(B, H * T, 1, device=q.device)  # running softmax denominator
     acc = torch.zeros(B, H * T, R, device=q.device)  # running numerator, in latent space
     doc_iter = iter(k_doc_blocks) if k_doc_blocks is not None else None
+    q_lo = None if q_pos is None else int(q_pos.min())  # keys up to here are visible to every query
     s0, dtype = 0, None
     for lat in blocks:
         dtype, s = lat.dtype, lat.shape[1]
         lat = lat.float()
         scores = (q @ lat.mT).view(B, H, T, s)  # [B, H, T, s]
         keep = None
-        if q_pos is not None:
+        if q_pos is not None and s0 + s - 1 > q_lo:  # only blocks reaching past q_lo need the mask
             keep = torch.arange(s0, s0 + s, device=q.device)[None, None, :] <= q_pos[:, :, None]
         if doc_iter is not None:
             same = q_doc_ids[:, :, None] == next(doc_iter)[:, None, :]
