@@ -67,6 +67,117 @@ def load_model_no_dist(path: str | Path, device: str = "cpu") -> tuple[nn.Module
     return model, config, int(state["step"])
 
 
+# ---- training checkpoints (the Trainer's, through k3.parallel.runtime) ------------------------------
+STATE_JSON = "train_state.json"  # the name k3.train.checkpointing resolves a checkpoint by
+FORMAT = "dcp"
+
+
+def is_dcp_checkpoint(path: str | Path) -> bool:
+    """A DCP training checkpoint directory (train_state.json says so and the DCP metadata is there)."""
+    import json
+
+    p = Path(path)
+    if not (p / STATE_JSON).exists() or not (p / ".metadata").exists():
+        return False
+    return json.loads((p / STATE_JSON).read_text()).get("format") == FORMAT
+
+
+def _fsync(path: Path) -> None:
+    import os
+
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save_training_dcp(
+    run_dir: str | Path,
+    step: int,
+    model: nn.Module,
+    optimizers: list,
+    config: K3Config,
+    trainer_state: dict,
+    *,
+    tokenizer=None,
+    keep: int = 2,
+    layout: dict | None = None,
+) -> Path:
+    """Collective: ``<run_dir>/checkpoints/step-<step>`` as a DCP checkpoint + config.json,
+    train_state.json (format "dcp", the trainer state, the layout it was saved with) and the tokenizer.
+
+    Atomic like k3.train.checkpointing: every rank writes its shards into ``.tmp-step-<N>`` (DCP fsyncs
+    them), rank 0 adds the small files, fsyncs, renames it to ``step-<N>`` and prunes to `keep`.
+    The directory must be on a file system every rank sees (one node, or a shared one)."""
+    import json
+    import os
+    import shutil
+
+    from k3.train.checkpointing import step_dirs
+
+    main = not dist.is_initialized() or dist.get_rank() == 0
+    ck = Path(run_dir) / "checkpoints"
+    final, tmp = ck / f"step-{step:08d}", ck / f".tmp-step-{step:08d}"
+    flags = torch.tensor([final.exists() if main else 0, 0], dtype=torch.long, device=_comm_device())
+    bad = [n for n, t in model.state_dict().items() if t.is_floating_point() and not _finite(t)]
+    flags[1] = len(bad) > 0
+    if dist.is_initialized():
+        dist.broadcast(flags[:1], 0)  # rank 0 decides whether it exists
+        dist.all_reduce(flags[1:], op=dist.ReduceOp.MAX)
+    if flags[1]:
+        raise RuntimeError(f"refusing to save non-finite weights{f': {bad[:5]}' if bad else ' (other rank)'}")
+    if flags[0]:
+        return final
+    if main:
+        ck.mkdir(parents=True, exist_ok=True)
+        for stale in ck.glob(".tmp-*"):  # left by a crashed save
+            shutil.rmtree(stale, ignore_errors=True)
+    save_dcp(tmp, model, optimizers, step, config)  # collective; config.json by rank 0; ends in a barrier
+    if main:
+        if tokenizer is not None:
+            tokenizer.save(tmp)
+        state = {"format_version": 1, "format": FORMAT, "layout": layout or {}, "trainer": trainer_state}
+        (tmp / STATE_JSON).write_text(json.dumps(state, indent=1, allow_nan=True))
+        for f in tmp.iterdir():
+            _fsync(f)
+        _fsync(tmp)
+        os.rename(tmp, final)
+        _fsync(ck)
+        for old in step_dirs(run_dir)[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+    if dist.is_initialized():
+        dist.barrier()
+    return final
+
+
+def load_training_dcp(path: str | Path, model: nn.Module, optimizers: list) -> dict:
+    """Collective: restore model + optimizers from a save_training_dcp checkpoint (any layout);
+    returns its trainer state (counters, data position, TrainConfig)."""
+    import json
+
+    step = load_dcp(path, model, optimizers)
+    trainer = json.loads((Path(path) / STATE_JSON).read_text())["trainer"]
+    if trainer["counters"]["step"] != step:
+        raise ValueError(
+            f"checkpoint {path}: DCP step {step} != train_state step {trainer['counters']['step']}"
+        )
+    return trainer
+
+
+def _finite(t: torch.Tensor) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    local = t.to_local() if isinstance(t, DTensor) else t
+    return bool(torch.isfinite(local).all())
+
+
+def _comm_device() -> torch.device:
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 # ---- k3 export ----------------------------------------------------------------------------------------
 def add_arguments(parser) -> None:
     parser.description = "Consolidate a DCP training checkpoint into the official safetensors layout."

@@ -25,6 +25,7 @@ mesh (dense and expert grads live on different meshes, which torch's clip cannot
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 from torch import nn
@@ -36,6 +37,9 @@ from k3.parallel.mesh import Meshes
 
 def apply_fsdp(model: nn.Module, mesh: Meshes, param_dtype: torch.dtype | None = None) -> nn.Module:
     """Shard `model` (a K3ForCausalLM, EP already applied) as in the module docstring; returns it."""
+    # K3 adds every unit's output to the block stream out of place (k3.model.attnres.BlockStream.add),
+    # so FSDP's warning about view outputs (LatentMoE returns y.reshape(h.shape)) does not apply
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
     dense, experts = mesh.dp_ep, mesh.dp
     for layer in model.model.layers:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -54,6 +55,11 @@ _TRAIN_FLAGS = {  # flag -> (TrainConfig field, type, help)
     "--qk-clip-tau": ("qk_clip_tau", float, "QK-Clip threshold on MLA max logits (default 100)"),
     "--vocab-size": ("vocab_size", int, "tokenizer / model vocabulary (default: the preset's)"),
     "--threads": ("threads", int, "torch intra-op threads"),
+    "--capacity-factor": (
+        "capacity_factor",
+        float,
+        "distributed: expert slots per (expert, rank) = ceil(CF*tokens*k/E) (default 1.25; E/k: no drops)",
+    ),
     "--max-bad-steps": ("max_bad_steps", int, "consecutive non-finite steps that stop the run (default 5)"),
     "--prompt": ("sample_prompt", str, "prompt of the sample printed at the end"),
     "--sample-tokens": ("sample_tokens", int, "tokens of that sample (0: none)"),
@@ -87,6 +93,16 @@ def _train_args(p: argparse.ArgumentParser) -> None:
         metavar="N",
         help="with --qat: high precision for steps 0..N-1, QAT from optimizer step N on (default 0)",
     )
+    dist = p.add_argument_group("distributed (docs/distributed.md)")
+    dist.add_argument(
+        "--nproc",
+        type=int,
+        metavar="N",
+        help="N processes on this machine via torchrun (gloo on CPU, NCCL on CUDA); "
+        "--batch-size stays the global micro-batch",
+    )
+    dist.add_argument("--ep", type=int, metavar="E", help="expert-parallel size (default 1; dp = N / E)")
+    p.set_defaults(_parser=p)
 
 
 def _explicit_changes(args: argparse.Namespace) -> dict:
@@ -120,16 +136,50 @@ def train_config_from_args(args: argparse.Namespace) -> TrainConfig:
     return TrainConfig().replace(**changes)
 
 
-def run_train(args: argparse.Namespace) -> int:
-    from k3.train.trainer import Trainer, TrainingStopped
+def _argv_of(args: argparse.Namespace, drop: tuple[str, ...] = ("nproc",)) -> list[str]:
+    """The command line that parses back to `args` (minus `drop`): what the torchrun workers get."""
+    argv = []
+    for action in args._parser._actions:
+        if not action.option_strings or action.dest in (*drop, "help"):
+            continue
+        value = getattr(args, action.dest, None)
+        if value is None or value is False:
+            continue
+        flag = (
+            action.option_strings[-1]
+            if action.option_strings[-1].startswith("--")
+            else action.option_strings[0]
+        )
+        argv += [flag] if action.nargs == 0 else [flag, str(value)]
+    return argv
 
+
+def _parallel_options(args: argparse.Namespace):
+    """ParallelOptions from --ep; None without it (then torchrun, --nproc or a DCP checkpoint to resume
+    makes the run distributed, with ep = 1)."""
+    if args.ep is None and args.nproc is None:
+        return None
+    from k3.parallel.runtime import ParallelOptions
+
+    return ParallelOptions(ep=args.ep if args.ep is not None else 1)
+
+
+def run_train(args: argparse.Namespace) -> int:
     if args.task == "vision":
         from k3.vision.train_vl import run_from_train_cli
 
         return run_from_train_cli(args)
+    if args.nproc is not None and args.nproc < 1:
+        raise ValueError(f"nproc: must be >= 1, got {args.nproc}")
+    if args.nproc is not None and "LOCAL_RANK" not in os.environ:  # not yet under torchrun: launch it
+        from k3.parallel.launch import relaunch
+
+        return relaunch(args.nproc, _argv_of(args))
+    from k3.train.trainer import Trainer, TrainingStopped
+
     tc = train_config_from_args(args)
     try:
-        trainer = Trainer(tc, resume=args.resume)
+        trainer = Trainer(tc, resume=args.resume, parallel=_parallel_options(args))
     except KeyboardInterrupt:  # during data preparation: nothing to save yet
         print("interrupted before training started", file=sys.stderr)
         return 130

@@ -53,6 +53,9 @@ class TrainConfig:
     grad_clip: float = 1.0
     qk_clip_tau: float | None = 100.0  # None: no QK-Clip
     bf16: bool = False
+    # distributed runs only (k3 train --nproc, docs/distributed.md): expert slots per (expert, source
+    # rank) = ceil(capacity_factor * tokens * k / E); >= E / k never drops a token
+    capacity_factor: float = 1.25
     # bookkeeping
     seed: int = 0
     out: str | None = None  # None: runs/<preset>-<timestamp>
@@ -100,6 +103,7 @@ class TrainConfig:
         check(self.qk_clip_tau is None or self.qk_clip_tau > 0, "qk_clip_tau", "must be > 0 or None")
         check(0 < self.val_percent < 100, "val_percent", "must be in (0, 100)")
         check(self.threads is None or self.threads >= 1, "threads", "must be >= 1")
+        check(self.capacity_factor > 0, "capacity_factor", f"must be > 0, got {self.capacity_factor}")
         check(
             isinstance(self.qat_from_step, int) and self.qat_from_step >= 0, "qat_from_step", "must be >= 0"
         )

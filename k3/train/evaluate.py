@@ -38,8 +38,8 @@ def token_byte_lengths(tokenizer) -> np.ndarray:
     return out
 
 
-def _autocast(bf16: bool):
-    return torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else nullcontext()
+def _autocast(bf16: bool, device_type: str = "cpu"):
+    return torch.autocast(device_type, dtype=torch.bfloat16) if bf16 else nullcontext()
 
 
 @torch.no_grad()
@@ -54,11 +54,25 @@ def evaluate(
     max_tokens: int,
     bf16: bool = False,
     unigram_logp: np.ndarray | None = None,
+    runtime=None,
 ) -> dict[str, float]:
     """{"val_loss" (nats/token), "val_bpb", "tokens", "bytes"} (+ "unigram_bpb" of the same targets
     given `unigram_logp` [V]) over the first `max_tokens` targets of the validation stream, packed in
-    one fixed shuffled document order (seed 0, the same for every run and model), at most one pass."""
-    loader = PackedLoader(docs, seq_len=seq_len, batch_size=batch_size, eos_id=eos_id, seed=0)
+    one fixed shuffled document order (seed 0, the same for every run and model), at most one pass.
+
+    With a distributed `runtime` (k3.train.runtime) every rank scores its batch_size / world_size rows
+    of each batch and the sums are all-reduced: the same targets and result as one process."""
+    rank, world = (runtime.rank, runtime.world_size) if runtime is not None else (0, 1)
+    device = runtime.device if runtime is not None else torch.device("cpu")
+    loader = PackedLoader(
+        docs,
+        seq_len=seq_len,
+        batch_size=batch_size // world,
+        eos_id=eos_id,
+        seed=0,
+        rank=rank,
+        world_size=world,
+    )
     n_batches = max(1, min(max_tokens // (seq_len * batch_size), loader.batches_per_epoch))
     lengths = torch.from_numpy(token_bytes)
     uni = None if unigram_logp is None else torch.from_numpy(unigram_logp)
@@ -68,10 +82,13 @@ def evaluate(
     try:
         for _ in range(n_batches):
             b = next(loader)
-            with _autocast(bf16):
-                logits = model(b["input_ids"], cu_seqlens=b["cu_seqlens"], doc_ids=b["doc_ids"]).logits
+            inputs = {k: b[k].to(device) for k in ("input_ids", "cu_seqlens", "doc_ids")}
+            with _autocast(bf16, device.type):
+                logits = model(
+                    inputs["input_ids"], cu_seqlens=inputs["cu_seqlens"], doc_ids=inputs["doc_ids"]
+                ).logits
             losses = torch.nn.functional.cross_entropy(
-                logits.float().flatten(0, 1), b["labels"].flatten(), reduction="sum"
+                logits.float().flatten(0, 1), b["labels"].to(device).flatten(), reduction="sum"
             )
             nats += float(losses)
             uni_nats -= 0.0 if uni is None else float(uni[b["labels"]].sum())
@@ -79,6 +96,9 @@ def evaluate(
             nbytes += int(lengths[b["labels"]].sum())
     finally:
         model.train(was_training)
+    if runtime is not None:
+        nats, uni_nats, tokens, nbytes = runtime.sum([nats, uni_nats, tokens, nbytes])
+        tokens, nbytes = int(tokens), int(nbytes)
     res = {"val_loss": nats / tokens, "val_bpb": nats / (math.log(2) * max(nbytes, 1)), "tokens": tokens,
            "bytes": nbytes}  # fmt: skip
     if uni is not None:

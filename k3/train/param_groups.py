@@ -118,9 +118,13 @@ def build_optimizers(
     weight_decay: float = 0.1,
     momentum: float = 0.95,
     betas: tuple[float, float] = (0.9, 0.95),
+    muon_class: type | None = None,
 ) -> list[torch.optim.Optimizer]:
-    """[Muon, AdamW] (or [AdamW] for optimizer="adamw"); every group records its `base_lr` for schedules."""
+    """[Muon, AdamW] (or [AdamW] for optimizer="adamw"); every group records its `base_lr` for schedules.
+    `muon_class`: a Muon subclass (k3.parallel.muon_dist.DistMuon for sharded parameters)."""
     from k3.optim import Muon
+
+    muon_class = muon_class or Muon
 
     groups = classify(model, per_head, optimizer)
     params = dict(model.named_parameters())
@@ -130,7 +134,7 @@ def build_optimizers(
             {"params": [params[n] for n in names], "head_split": split, "base_lr": lr, "lr": lr}
             for split, names in sorted(groups.muon.items(), key=lambda kv: str(kv[0]))
         ]
-        opts.append(Muon(muon_groups, lr=lr, momentum=momentum, weight_decay=weight_decay))
+        opts.append(muon_class(muon_groups, lr=lr, momentum=momentum, weight_decay=weight_decay))
     adamw_groups = [
         {"params": [params[n] for n in names], "weight_decay": wd, "base_lr": adamw_lr, "lr": adamw_lr}
         for names, wd in ((groups.adamw_decay, weight_decay), (groups.adamw_no_decay, 0.0))

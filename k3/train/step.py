@@ -6,6 +6,11 @@
     QK-Clip (K2, SPEC §4.3): each MLA layer's q_b_proj / kv_b_proj scaled so its heads' max logit <= tau
     Quantile Balancing (SPEC §4.1): every router's update_bias(), once, from all micro-batches' scores
 
+Every reduction, the clip, QK-Clip's weight edit and the router update go through `runtime`
+(k3.train.runtime.LocalRuntime by default; k3.parallel.runtime.DistributedRuntime under torchrun), so
+the same step runs on one process or a dp x ep mesh. Ranks agree on every branch (skip or not): the
+loss is averaged over ranks before the finiteness test and the grad norm is global.
+
 QK-Clip needs each head's largest pre-softmax logit of the step. The MLA module does not report it, so
 `MaxLogitMonitor` hooks the projections whose outputs hold q and k (q_b_proj / q_proj,
 kv_a_proj_with_mqa for the shared k_pe, kv_b_proj for k_nope), and after each MLA forward recomputes
@@ -23,10 +28,12 @@ import torch
 from torch import nn
 
 from k3.model.mla import MLAAttention, doc_positions
-from k3.model.moe import Router, update_router_biases
+from k3.model.moe import Router
 from k3.ops.mla import causal_mask
 from k3.ops.rope import apply_rope
-from k3.optim import qk_clip_
+from k3.train.runtime import LocalRuntime
+
+LOCAL = LocalRuntime()
 
 
 @dataclass
@@ -105,7 +112,7 @@ def max_logits(
 
 def forward_loss(model: nn.Module, batch: dict, bf16: bool) -> torch.Tensor:
     """Mean next-token cross-entropy of one packed micro-batch (a test seam: NaN injection patches it)."""
-    ctx = torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else nullcontext()
+    ctx = torch.autocast(batch["input_ids"].device.type, dtype=torch.bfloat16) if bf16 else nullcontext()
     with ctx:
         out = model(
             batch["input_ids"],
@@ -126,12 +133,12 @@ def _drop_step(model: nn.Module, optimizers, monitor: MaxLogitMonitor | None) ->
         monitor.pop()
 
 
-def _qk_clip(monitor: MaxLogitMonitor, tau: float) -> tuple[dict[str, float], int]:
+def _qk_clip(monitor: MaxLogitMonitor, tau: float, runtime: LocalRuntime) -> tuple[dict[str, float], int]:
     logged, clipped = {}, 0
-    for name, s_max in monitor.pop().items():
+    for name, s_max in runtime.max_logits(monitor.pop()).items():
         m = monitor.layers[name]
         q_w = m.q_b_proj.weight if hasattr(m, "q_b_proj") else m.q_proj.weight
-        gamma = qk_clip_(q_w.data, m.kv_b_proj.weight.data, s_max, m.nope_dim, m.rope_dim, m.v_dim, tau)
+        gamma = runtime.qk_clip_(q_w, m.kv_b_proj.weight, s_max, m.nope_dim, m.rope_dim, m.v_dim, tau)
         logged[name] = float(s_max.max())
         clipped += int((gamma < 1).sum())
     return logged, clipped
@@ -146,30 +153,38 @@ def train_step(
     bf16: bool = False,
     monitor: MaxLogitMonitor | None = None,
     qk_clip_tau: float | None = 100.0,
+    runtime: LocalRuntime = LOCAL,
 ) -> StepResult:
-    """One optimizer step over `micro_batches` (each {input_ids, labels [B, T], cu_seqlens, doc_ids})."""
+    """One optimizer step over `micro_batches` (each {input_ids, labels [B, T], cu_seqlens, doc_ids}, this
+    rank's rows); loss and tokens are over all ranks."""
+    rt = runtime
     for opt in optimizers:
         opt.zero_grad(set_to_none=True)
     n, total, tokens = len(micro_batches), 0.0, 0
     for batch in micro_batches:
         loss = forward_loss(model, batch, bf16)
         tokens += int((batch["labels"] != -100).sum())
-        if not torch.isfinite(loss):
+        value = rt.mean_loss(float(loss.detach()))
+        if not math.isfinite(value):
             _drop_step(model, optimizers, monitor)
-            return StepResult(loss=float(loss.detach()), grad_norm=float("nan"), skipped=True, tokens=tokens)
+            tokens = int(rt.sum([tokens])[0])  # every rank skips: the loss is the mean over ranks
+            return StepResult(loss=value, grad_norm=float("nan"), skipped=True, tokens=tokens)
         (loss / n).backward()
-        total += float(loss.detach()) / n
+        total += value / n
+    tokens = int(rt.sum([tokens])[0])
     params = [p for group_owner in optimizers for g in group_owner.param_groups for p in g["params"]]
-    norm = torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip > 0 else math.inf)
+    norm = rt.clip_grad_norm_(params, grad_clip if grad_clip > 0 else math.inf)
     if not torch.isfinite(norm):
         _drop_step(model, optimizers, monitor)
         return StepResult(loss=total, grad_norm=float(norm), skipped=True, tokens=tokens)
     for opt in optimizers:
         opt.step()
-    max_logit, clipped = _qk_clip(monitor, qk_clip_tau) if monitor is not None and qk_clip_tau else ({}, 0)
+    max_logit, clipped = (
+        _qk_clip(monitor, qk_clip_tau, rt) if monitor is not None and qk_clip_tau else ({}, 0)
+    )
     if monitor is not None and not qk_clip_tau:
-        max_logit = {k: float(v.max()) for k, v in monitor.pop().items()}
-    loads = {name: (s["max_load"], s["min_load"]) for name, s in update_router_biases(model).items()}
+        max_logit = {k: float(v.max()) for k, v in rt.max_logits(monitor.pop()).items()}
+    loads = {name: (s["max_load"], s["min_load"]) for name, s in rt.update_router_biases(model).items()}
     return StepResult(
         loss=total,
         grad_norm=float(norm),

@@ -12,6 +12,12 @@ group before each step; the schedule itself holds no state (the checkpoint store
 
 Determinism: one seed drives init, data order and sampling. On CPU a run resumed from a checkpoint
 produces the same losses bit for bit as the uninterrupted run (tests/train/test_resume.py).
+
+Parallelism: the same loop runs on one process or on a torch.distributed dp x ep mesh (`k3 train
+--nproc N`, torchrun). Everything that differs is a method of `self.rt` (k3.train.runtime.LocalRuntime,
+or k3.parallel.runtime.DistributedRuntime: parallelize, DistMuon, all-reduces, DCP checkpoints). Under
+it `batch_size` is the global micro-batch (each rank reads its batch_size / world_size rows), so a run
+gives the same losses on any world size; rank 0 alone prints, logs and writes the run directory files.
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ from k3.train.metrics import (
     plot_losses,
 )
 from k3.train.param_groups import build_optimizers
+from k3.train.runtime import LocalRuntime
 from k3.train.step import MaxLogitMonitor, train_step
 
 
@@ -65,9 +72,10 @@ class TrainingStopped(RuntimeError):
     """Too many consecutive non-finite losses (the weights on disk stay finite)."""
 
 
-def default_out_dir(preset: str) -> Path:
+def default_out_dir(preset: str, when: float | None = None) -> Path:
     name = Path(preset).stem if preset.endswith(".json") else preset
-    return Path("runs") / f"{name}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
+    stamp = datetime.fromtimestamp(when) if when is not None else datetime.now()
+    return Path("runs") / f"{name}-{stamp.strftime('%Y%m%d-%H%M%S')}"
 
 
 RESUME_OVERRIDABLE = (
@@ -106,36 +114,92 @@ def lr_multiplier(tc: TrainConfig, step: int, total: int | None) -> float:
     return warmup_cosine(step, total, warmup, tc.min_lr_ratio)
 
 
+def make_runtime(parallel=None, resume_from: Path | None = None) -> LocalRuntime:
+    """The distributed runtime under torchrun, with explicit `parallel` options (a
+    k3.parallel.runtime.ParallelOptions) or to resume a DCP checkpoint; else one local process."""
+    import os
+
+    dcp = False
+    if resume_from is not None:
+        from k3.parallel.dcp import is_dcp_checkpoint
+
+        dcp = is_dcp_checkpoint(resume_from)
+    if parallel is None and "LOCAL_RANK" not in os.environ and not dcp:
+        return LocalRuntime()
+    from k3.parallel.runtime import DistributedRuntime
+
+    return DistributedRuntime(parallel)
+
+
+class _NoLog:
+    """metrics.jsonl on ranks other than 0: nothing is written."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def write(self, kind: str, **fields) -> None:
+        pass
+
+    def truncate_after(self, step: int) -> None:
+        pass
+
+
 class Trainer:
     """One run. `Trainer(tc).run()` -> summary dict; `resume` is a run or checkpoint directory."""
 
     def __init__(
-        self, tc: TrainConfig, resume: str | Path | None = None, progress: bool = True, quiet: bool = False
+        self,
+        tc: TrainConfig,
+        resume: str | Path | None = None,
+        progress: bool = True,
+        quiet: bool = False,
+        parallel=None,
     ):
-        """`tc` is the run's config; with `resume`, build it with `resume_config` (the saved one)."""
+        """`tc` is the run's config; with `resume`, build it with `resume_config` (the saved one).
+        `parallel`: k3.parallel.runtime.ParallelOptions (ep, capacity factor); see make_runtime."""
         self.resume_from = ckpt.resolve_checkpoint(resume) if resume else None
+        self.rt = make_runtime(parallel, self.resume_from)
+        quiet = quiet or not self.rt.is_main
         self.quiet = quiet
+        self._final: tuple[dict, Path] | None = None  # distributed finish: (final eval, checkpoint)
         self.out = (
             Path(tc.out)
             if tc.out
-            else (self.resume_from.parent.parent if self.resume_from else default_out_dir(tc.preset))
+            else (
+                self.resume_from.parent.parent
+                if self.resume_from
+                else default_out_dir(tc.preset, self.rt.broadcast(int(time.time())))  # one name on all ranks
+            )
         )
         self.tc = tc.replace(out=str(self.out))
         self.bar = ProgressBar(tc.log_every) if progress and not quiet else None
         self.stop_requested = False
-        self._setup()
+        try:
+            self._setup()
+        except BaseException:
+            self.rt.close(clean=False)
+            raise
 
     # ---- setup ------------------------------------------------------------------------------------
     def _setup(self) -> None:
-        tc = self.tc
+        tc, rt = self.tc, self.rt
         if tc.threads:
             torch.set_num_threads(tc.threads)
         torch.manual_seed(tc.seed)
         random.seed(tc.seed)
         np.random.seed(tc.seed)
         self.config = tc.model_config()
+        if tc.batch_size % rt.world_size:
+            raise ValueError(
+                f"batch_size={tc.batch_size} must be divisible by the world size {rt.world_size}"
+            )
+        if rt.distributed and tc.model_transforms:
+            raise ValueError(
+                f"model_transforms: {list(tc.model_transforms)} are not supported distributed yet"
+            )
         t0 = time.perf_counter()
-        self.data = prepare_data(tc.data, self.config.vocab_size, tc.val_percent)
+        with rt.main_first():  # rank 0 trains / caches the tokenizer and tokens, the others then load them
+            self.data = prepare_data(tc.data, self.config.vocab_size, tc.val_percent)
         self.data_seconds = time.perf_counter() - t0
         self.tokenizer = self.data.tokenizer
         self.token_bytes = token_byte_lengths(self.tokenizer)
@@ -144,7 +208,7 @@ class Trainer:
             raise ValueError(
                 f"data: the validation split of {tc.data or 'the stdlib'} is empty; add documents"
             )
-        self.model = self._build_model()
+        self.model = rt.prepare_model(self._build_model(), capacity_factor=tc.capacity_factor)
         self.optimizers = build_optimizers(
             self.model,
             optimizer=tc.optimizer,
@@ -154,8 +218,17 @@ class Trainer:
             weight_decay=tc.weight_decay,
             momentum=tc.momentum,
             betas=tc.betas,
+            muon_class=rt.muon_class,
         )
-        self.loader = PackedLoader(self.data.train, tc.seq_len, tc.batch_size, self.tokenizer.eos_id, tc.seed)
+        self.loader = PackedLoader(
+            self.data.train,
+            tc.seq_len,
+            tc.batch_size // rt.world_size,
+            self.tokenizer.eos_id,
+            tc.seed,
+            rank=rt.rank,
+            world_size=rt.world_size,
+        )
         self.monitor = MaxLogitMonitor(self.model)
         self.state = {
             "step": 0,
@@ -167,10 +240,14 @@ class Trainer:
             "threads": tc.threads,
         }
         self.out.mkdir(parents=True, exist_ok=True)
-        self.log = MetricsLog(self.out / "metrics.jsonl")
+        self.log = (
+            MetricsLog(self.out / "metrics.jsonl") if rt.is_main else _NoLog(self.out / "metrics.jsonl")
+        )
         if self.resume_from is not None:
             self._resume()
-        (self.out / "train_config.json").write_text(tc.to_json() + "\n")
+        if rt.is_main:
+            (self.out / "train_config.json").write_text(tc.to_json() + "\n")
+        self._say(f"parallel: {rt.describe()}" if rt.distributed else "")
 
     def _build_model(self) -> torch.nn.Module:
         cfg = self.config
@@ -187,7 +264,11 @@ class Trainer:
         return model.train()
 
     def _resume(self) -> None:
-        trainer = ckpt.load_training_checkpoint(self.resume_from, self.model, self.optimizers)
+        if self.rt.distributed and not (self.resume_from / ".metadata").exists():
+            raise ValueError(
+                f"resume: {self.resume_from} is a single-process checkpoint; resume it without --nproc"
+            )
+        trainer = self.rt.load_checkpoint(self.resume_from, self.model, self.optimizers)
         self.loader.load_state_dict(trainer["data"])
         self.state.update(trainer["counters"])
         if self.tc.threads is not None:
@@ -201,7 +282,7 @@ class Trainer:
 
     # ---- helpers ----------------------------------------------------------------------------------
     def _say(self, text: str) -> None:
-        if self.quiet:
+        if self.quiet or not text:
             return
         if self.bar is not None:
             self.bar.message(text)
@@ -223,7 +304,9 @@ class Trainer:
         }
 
     def save(self) -> Path:
-        path = ckpt.save_training_checkpoint(
+        if self._final is not None:
+            return self._final[1]
+        path = self.rt.save_checkpoint(
             self.out,
             self.state["step"],
             self.model,
@@ -237,6 +320,8 @@ class Trainer:
         return path
 
     def run_eval(self) -> dict:
+        if self._final is not None:
+            return self._final[0]
         tc = self.tc
         res = evaluate(
             self.model,
@@ -248,10 +333,12 @@ class Trainer:
             max_tokens=tc.eval_tokens,
             bf16=tc.bf16,
             unigram_logp=self.unigram_logp,
+            runtime=self.rt,
         )
         self.log.write("eval", step=self.state["step"], **res)
         self._say(f"step {self.state['step']}: val loss {res['val_loss']:.4f}  val bpb {res['val_bpb']:.4f}")
-        plot_losses(self.log.path, self.out / "loss.png", title=f"{tc.preset} ({self.out.name})")
+        if self.rt.is_main:
+            plot_losses(self.log.path, self.out / "loss.png", title=f"{tc.preset} ({self.out.name})")
         return res
 
     # ---- loop -------------------------------------------------------------------------------------
@@ -263,15 +350,17 @@ class Trainer:
         left = deadline - time.perf_counter()
         per_step_all = per_step + (per_eval / tc.eval_every if tc.eval_every else 0.0)
         total = self.state["step"] + max(1, int((left - per_eval) / per_step_all))
-        self.state["total_steps"] = max(total, self.state["step"] + 1, tc.warmup_steps + 1)
+        self.state["total_steps"] = self.rt.broadcast(max(total, self.state["step"] + 1, tc.warmup_steps + 1))
         self._say(
             f"time budget {tc.minutes:g} min -> {self.state['total_steps']} steps ({per_step:.2f} s/step)"
         )
 
     def _micro_batches(self) -> list[dict]:
-        return [next(self.loader) for _ in range(self.tc.grad_accum)]
+        dev = self.rt.device
+        batches = [next(self.loader) for _ in range(self.tc.grad_accum)]
+        return batches if dev.type == "cpu" else [{k: v.to(dev) for k, v in b.items()} for b in batches]
 
-    def _log_step(self, res, mult: float, dt: float, rate: float) -> None:
+    def _log_step(self, res, mult: float, dt: float, rate: float, extra: dict) -> None:
         s = self.state
         rec = dict(
             step=s["step"],
@@ -282,6 +371,7 @@ class Trainer:
             tok_per_s=rate,
             step_seconds=dt,
             skipped=res.skipped,
+            **extra,
         )
         if res.moe_load:
             rec["moe_load_max"] = max(v[0] for v in res.moe_load.values())
@@ -332,7 +422,9 @@ class Trainer:
                 bf16=tc.bf16,
                 monitor=self.monitor,
                 qk_clip_tau=tc.qk_clip_tau,
+                runtime=self.rt,
             )
+            extra = self.rt.step_stats(self.model)
             dt = time.perf_counter() - t
             s["step"] += 1
             s["tokens"] += res.tokens
@@ -343,7 +435,7 @@ class Trainer:
                 self._handle_bad(res)
             else:
                 s["bad_streak"] = 0
-            self._log_step(res, mult, dt, rate)
+            self._log_step(res, mult, dt, rate, extra)
             if s["total_steps"] is None and len(step_times) >= CALIBRATION_STEPS:
                 self._fix_total(step_times, deadline)
             self._progress(res.loss, rate, step_times)
@@ -351,7 +443,10 @@ class Trainer:
                 self.run_eval()
             if tc.save_every and s["step"] % tc.save_every == 0:
                 self.save()
-            if time.perf_counter() > deadline + 0.15 * budget:
+            # every rank stops at the same step: Ctrl-C and the clock are local, the decision is not
+            stop, late = self.rt.sum([self.stop_requested, time.perf_counter() > deadline + 0.15 * budget])
+            self.stop_requested = stop > 0
+            if late:
                 self._say("time budget exceeded by 15 %; stopping early")
                 break
         self.loop_seconds = time.perf_counter() - start
@@ -366,8 +461,12 @@ class Trainer:
 
     # ---- run --------------------------------------------------------------------------------------
     def _on_sigint(self, signum, frame) -> None:
-        self.stop_requested = True
-        signal.signal(signal.SIGINT, signal.default_int_handler)  # a second Ctrl-C aborts at once
+        if self.rt.distributed and time.monotonic() - getattr(self, "_sigint_at", -10.0) < 2.0:
+            return  # torchrun forwards the terminal's Ctrl-C: the same interrupt arrives twice
+        self._sigint_at = time.monotonic()
+        already, self.stop_requested = self.stop_requested, True
+        if already or not self.rt.distributed:
+            signal.signal(signal.SIGINT, signal.default_int_handler)  # a second Ctrl-C aborts at once
         self._say("interrupt: finishing this step, then saving (Ctrl-C again to abort)")
 
     def _choose_threads(self) -> float:
@@ -394,18 +493,35 @@ class Trainer:
         """Train, evaluate, save, export, sample; returns the summary dict (also summary.json)."""
         previous = signal.signal(signal.SIGINT, self._on_sigint) if _main_thread() else None
         try:
-            self.peak = self._choose_threads() if measure_peak else 0.0
-            self._loop()
-        finally:
-            if previous is not None:
-                signal.signal(signal.SIGINT, previous)
-            if self.bar is not None:
-                self.bar.close()
-        return self.finish(interrupted=self.stop_requested)
+            try:
+                self.peak = self._choose_threads() if measure_peak else 0.0
+                self._loop()
+            finally:
+                if previous is not None:
+                    signal.signal(signal.SIGINT, previous)
+                if self.bar is not None:
+                    self.bar.close()
+            summary = self.finish(interrupted=self.stop_requested)
+        except BaseException:
+            self.rt.close(clean=False)  # no barrier: the other ranks may never get there
+            raise
+        self.rt.close()
+        return summary
 
     def finish(self, interrupted: bool = False) -> dict:
         from k3.train.report import finish_run  # the end-of-run report lives in its own file
 
+        if not self.rt.distributed:
+            return finish_run(self, interrupted)
+        # the collective part on every rank: final eval, DCP checkpoint; rank 0 then consolidates it to
+        # the official layout in the run directory and reports from that unsharded model (the sample)
+        ev, path = self.run_eval(), self.save()
+        plain = self.rt.consolidate(path, self.out)
+        self.rt.barrier()
+        self._final = (ev, path)
+        if not self.rt.is_main:
+            return {"out": str(self.out), "interrupted": interrupted, "checkpoint": str(path), **ev}
+        self.model = plain
         return finish_run(self, interrupted)
 
 
