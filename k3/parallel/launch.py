@@ -9,9 +9,9 @@ gloo on CPU, NCCL on CUDA. On several nodes run torchrun yourself with the same 
 (docs/distributed.md). `python -m k3.parallel.launch --nproc N ARGS` is kept as an alias of
 `k3 train --nproc N ARGS`.
 
-The launching process ignores Ctrl-C while it waits: the terminal delivers it to torchrun and the
-workers, which finish the step, save and exit (torchrun forwards it once more; the trainer treats the
-two as one interrupt).
+The launching process only notes a Ctrl-C while it waits: the terminal delivers it to torchrun and the
+workers too, which finish the step, save and exit (torchrun forwards it once more; the trainer treats
+the two as one interrupt). It then returns 130, like `k3 train` interrupted on one process.
 """
 
 from __future__ import annotations
@@ -42,15 +42,18 @@ def torchrun_argv(nproc: int, argv: list[str], module: str = "k3.train") -> list
 
 
 def relaunch(nproc: int, argv: list[str], module: str = "k3.train") -> int:
-    """Run `module argv` under torchrun with `nproc` processes; returns torchrun's exit code."""
+    """Run `module argv` under torchrun with `nproc` processes; returns torchrun's exit code (130
+    after a Ctrl-C that stopped it)."""
     proc = subprocess.Popen(torchrun_argv(nproc, argv, module))
+    interrupted = []
     main = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
+    previous = signal.signal(signal.SIGINT, lambda *_: interrupted.append(1)) if main else None
     try:
-        return proc.wait()
+        code = proc.wait()
     finally:
         if previous is not None:
             signal.signal(signal.SIGINT, previous)
+    return 130 if interrupted and code != 0 else code
 
 
 def main(argv: list[str] | None = None) -> int:
