@@ -86,9 +86,9 @@ def task_texts(n: int = 2000) -> list[str]:
 class Sampler:
     """Training examples: the synthetic stream (endless) or a `--data` folder (cycled)."""
 
-    def __init__(self, seed: int, data: str | None, caption_frac: float):
-        self.rng = random.Random(seed)
-        self.seed, self.caption_frac, self.i = seed, caption_frac, 0
+    def __init__(self, seed: int, data: str | None, caption_frac: float, skip: int = 0):
+        self.rng = random.Random(seed + skip)
+        self.seed, self.caption_frac, self.i = seed, caption_frac, skip
         self.rows = None
         if data:
             from k3.vision.data import load_folder
@@ -152,13 +152,19 @@ def heldout_examples(args) -> list[synthetic.Example]:
 def train(args) -> dict:
     torch.manual_seed(args.seed)
     torch.set_num_threads(args.threads)
-    config = vl_preset(args.preset)
-    tok = train_tokenizer(task_texts(), vocab_size=config.text.vocab_size)
-    model = K3VLForCausalLM(config)
-    init_vl_weights(model, seed=args.seed)
+    if args.init:  # continue from a checkpoint of this loop (its weights and tokenizer)
+        from k3.vision.checkpoint import load_vl_checkpoint
+
+        model, tok = load_vl_checkpoint(args.init), K3Tokenizer.from_dir(args.init)
+        config = model.config
+    else:
+        config = vl_preset(args.preset)
+        tok = train_tokenizer(task_texts(), vocab_size=config.text.vocab_size)
+        model = K3VLForCausalLM(config)
+        init_vl_weights(model, seed=args.seed)
     n_params = sum(p.numel() for p in model.parameters())
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=args.wd)
-    sampler = Sampler(args.seed, args.data, args.caption_frac)
+    sampler = Sampler(args.seed, args.data, args.caption_frac, args.skip)
     heldout = heldout_examples(args)
     log, t0 = [], time.time()
     print(f"{args.preset}: {n_params:,} parameters; {args.steps} steps x {args.batch}", flush=True)
@@ -183,7 +189,8 @@ def train(args) -> dict:
             print(json.dumps(rec), flush=True)
             log.append(rec)
     result = evaluate(model, tok, config, heldout)
-    result |= {"preset": args.preset, "steps": args.steps, "batch": args.batch, "train_s": time.time() - t0}
+    result |= {"preset": args.preset, "steps": args.steps, "batch": args.batch, "train_s": time.time() - t0,
+               "init": args.init, "skip": args.skip, "lr": args.lr}  # fmt: skip
     print(json.dumps(result), flush=True)
     if args.out:
         from k3.vision.checkpoint import save_vl_checkpoint
@@ -212,6 +219,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--eval-every", type=int, default=250)
     p.add_argument("--log-every", type=int, default=50)
     p.add_argument("--out", default=None, help="checkpoint directory to write")
+    p.add_argument(
+        "--init", default=None, help="start from this checkpoint (weights + tokenizer) of this loop"
+    )
+    p.add_argument("--skip", type=int, default=0, help="start the training stream at this example index")
     args = p.parse_args(argv)
     if args.steps <= 0 or args.batch <= 0 or not math.isfinite(args.lr) or args.lr <= 0:
         p.error("--steps, --batch and --lr must be positive")
