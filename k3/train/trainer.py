@@ -156,7 +156,7 @@ class Trainer:
         parallel=None,
     ):
         """`tc` is the run's config; with `resume`, build it with `resume_config` (the saved one).
-        `parallel`: k3.parallel.runtime.ParallelOptions (ep, capacity factor); see make_runtime."""
+        `parallel`: k3.parallel.runtime.ParallelOptions (the ep size); see make_runtime."""
         self.resume_from = ckpt.resolve_checkpoint(resume) if resume else None
         self.rt = make_runtime(parallel, self.resume_from)
         quiet = quiet or not self.rt.is_main
@@ -264,7 +264,7 @@ class Trainer:
         return model.train()
 
     def _resume(self) -> None:
-        if self.rt.distributed and not (self.resume_from / ".metadata").exists():
+        if self.rt.distributed and not (self.resume_from / ".metadata").exists():  # DCP's index file
             raise ValueError(
                 f"resume: {self.resume_from} is a single-process checkpoint; resume it without --nproc"
             )

@@ -156,6 +156,9 @@ def test_worker_command_line_round_trips():
     assert {k: v for k, v in vars(back).items() if k != "nproc"} == {
         k: v for k, v in vars(args).items() if k != "nproc"
     }
+    from k3.cli import main
+
+    assert main(["train", "--nproc", "0"]) == 2  # a user error, before anything starts
     cmd = torchrun_argv(2, ["--nproc", "2", "--steps", "3"])
     assert cmd[1:3] == ["-m", "torch.distributed.run"] and "--nproc-per-node=2" in cmd
     assert cmd[-4:] == ["-m", "k3.train", "--steps", "3"]
