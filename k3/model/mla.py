@@ -172,7 +172,7 @@ class MLAAttention(nn.Module):
         else:
             if state is not None:
                 latent = state.append(latent)
-            if lengths is not None:
+            if lengths is not None and int(lengths.min()) != offset:  # rows differ: per-row causal mask
                 mask = ragged_causal_mask(lengths.to(x.device), T, S)
             else:
                 mask = None if T == 1 and doc_ids is None else causal_mask(T, S, x.device, doc_ids, doc_ids)
