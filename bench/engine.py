@@ -8,12 +8,16 @@ Measured on the same inputs, best of 3 after a warm-up:
 * decode tokens/s at batch 1 (generation time minus the prefill time, over N new tokens);
 * batch-B throughput (B equal-length prompts, N new tokens each; generated tokens / wall time).
 Goals (issue 4): >= 5x prefill, >= 3x decode at batch 1, and batch-32 throughput vs HF generate.
+Every timing is kept twice: wall clock (the headline) and this process's CPU time (steadier on a shared
+machine: time other processes take from ours does not count), each the best of its repeats.
 
-    python bench/engine.py --preset k3-tiny --prompt 512 --new 32 --batch 32
+    python bench/engine.py --preset k3-tiny --prompt 512 --new 32 --batch 32   # the docs/serving.md table
+    python bench/engine.py --json out.json    # + the figures in the `k3 bench` format and the machine
 """
 
 import argparse
 import time
+from pathlib import Path
 
 import torch
 
@@ -36,15 +40,21 @@ def build(name: str, dtype: torch.dtype, device: str):
     return k3.to(device, dtype).eval(), hf.to(device, dtype).eval(), config
 
 
-def timed(fn, repeat: int = 3) -> float:
-    """Best of `repeat` runs after a warm-up (the least disturbed by other load on the machine)."""
+def timed(fn, repeat: int = 3) -> tuple[float, float]:
+    """(wall, CPU) seconds, each the best of `repeat` runs after a warm-up (the least disturbed by other
+    load on the machine)."""
     fn()
-    best = float("inf")
+    wall = cpu = float("inf")
     for _ in range(repeat):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
+        wall, cpu = min(wall, time.perf_counter() - t0), min(cpu, time.process_time() - c0)
+    return wall, cpu
+
+
+def decode_rate(tokens: int, seconds: float) -> float:
+    """tokens / seconds; NaN when noise made the generation no slower than the prefill alone."""
+    return tokens / seconds if seconds > 0 else float("nan")
 
 
 def k3_run(model, prompts, new: int, max_len: int) -> None:
@@ -73,40 +83,82 @@ def main(argv=None) -> None:
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--batch-prompt", type=int, default=64)
     p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--json", type=Path, help="write the figures (k3 bench format) and the machine here")
     a = p.parse_args(argv)
     if a.threads:
         torch.set_num_threads(a.threads)
     k3, hf, config = build(a.preset, getattr(torch, a.dtype), a.device)
     count = lambda m: sum(t.numel() for t in m.parameters()) / 1e6
+    params_m = {"k3": count(k3), "hf": count(hf)}
     print(
-        f"{a.preset}: k3 {count(k3):.1f}M params, HF KimiLinear {count(hf):.1f}M params, {a.dtype} {a.device}"
+        f"{a.preset}: k3 {params_m['k3']:.1f}M params, HF KimiLinear {params_m['hf']:.1f}M params, "
+        f"{a.dtype} {a.device}, {torch.get_num_threads()} threads"
     )
     g = torch.Generator().manual_seed(0)
     one = [torch.randint(0, config.vocab_size - 300, (a.prompt,), generator=g).tolist()]
     max_len = a.prompt + a.new + 64
-    rows = {}
-    for name, run in (
-        ("k3", lambda ps, n: k3_run(k3, ps, n, max_len)),
-        ("hf", lambda ps, n: hf_run(hf, ps, n)),
-    ):
-        pre = timed(lambda run=run: run(one, 1))
-        gen = timed(lambda run=run: run(one, a.new + 1))
-        rows[name] = (a.prompt / pre, a.new / max(gen - pre, 1e-9))
     batch = [
         torch.randint(0, config.vocab_size - 300, (a.batch_prompt,), generator=g).tolist()
         for _ in range(a.batch)
     ]
-    for name, run in (("k3", lambda: k3_run(k3, batch, a.new, a.batch_prompt + a.new + 64)),
-                      ("hf", lambda: hf_run(hf, batch, a.new))):  # fmt: skip
-        rows[name] += (a.batch * a.new / timed(run),)
-    print(f"{'':4s} {'prefill tok/s':>14s} {'decode tok/s (B=1)':>19s} {f'batch-{a.batch} gen tok/s':>20s}")
-    for name, (pre, dec, thr) in rows.items():
-        print(f"{name:4s} {pre:14.0f} {dec:19.1f} {thr:20.1f}")
-    (kp, kd, kt), (hp, hd, ht) = rows["k3"], rows["hf"]
+    runs = {
+        "k3": lambda ps, n, m=max_len: k3_run(k3, ps, n, m),
+        "hf": lambda ps, n, m=None: hf_run(hf, ps, n),
+    }
+    rates = {}  # name -> clock -> (prefill tok/s, decode tok/s at B=1, batch gen tok/s)
+    for name, run in runs.items():
+        pre = timed(lambda run=run: run(one, 1))
+        gen = timed(lambda run=run: run(one, a.new + 1))
+        thr = timed(lambda run=run: run(batch, a.new, a.batch_prompt + a.new + 64))
+        rates[name] = {
+            clock: (a.prompt / pre[i], decode_rate(a.new, gen[i] - pre[i]), a.batch * a.new / thr[i])
+            for i, clock in enumerate(("wall", "cpu"))
+        }
+    cols = ("prefill tok/s", "decode tok/s (B=1)", f"batch-{a.batch} gen tok/s")
+    for clock in ("wall", "cpu"):
+        print(f"{clock:5s} {cols[0]:>14s} {cols[1]:>19s} {cols[2]:>20s}")
+        for name in runs:
+            pre, dec, thr = rates[name][clock]
+            print(f"  {name:3s} {pre:14.0f} {dec:19.1f} {thr:20.1f}")
+    ratio = {c: [k / h for k, h in zip(rates["k3"][c], rates["hf"][c], strict=True)] for c in ("wall", "cpu")}
+    (rp, rd, rt), (cp, cd, ct) = ratio["wall"], ratio["cpu"]
     print(
-        f"k3 / HF: prefill {kp / hp:.1f}x (goal >= 5x), decode {kd / hd:.1f}x (goal >= 3x), "
-        f"batch-{a.batch} {kt / ht:.1f}x"
+        f"k3 / HF (wall): prefill {rp:.1f}x (goal >= 5x), decode {rd:.1f}x (goal >= 3x), batch-{a.batch} "
+        f"{rt:.1f}x;  CPU time: {cp:.1f}x, {cd:.1f}x, {ct:.1f}x"
     )
+    if a.json:
+        write_json(a, rates, params_m)
+
+
+def write_json(a, rates: dict, params_m: dict) -> None:
+    from k3.benchmark.report import machine_info
+    from k3.benchmark.result import figure, write_result
+
+    names = (
+        (f"prefill tok/s, batch 1, {a.prompt} tokens", 5.0),
+        ("decode tok/s, batch 1", 3.0),
+        (f"batch-{a.batch} generation tok/s ({a.batch_prompt}-token prompts, {a.new} new)", None),
+    )
+    figures = []
+    for i, (name, goal) in enumerate(names):
+        k, h = rates["k3"]["wall"][i], rates["hf"]["wall"][i]
+        kc, hc = rates["k3"]["cpu"][i], rates["hf"]["cpu"][i]
+        figures.append(
+            figure(
+                name,
+                k,
+                "tok/s",
+                peer="HF KimiLinear",
+                peer_value=h,
+                ratio=k / h,
+                goal=goal,
+                cpu_time=dict(value=kc, peer_value=hc, ratio=kc / hc),
+            )  # fmt: skip
+        )
+    params = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items() if k != "json"}
+    params["torch_threads"] = torch.get_num_threads()
+    write_result(a.json, "engine", figures, params, rates=rates, params_m=params_m,
+                 machine=machine_info(Path(__file__).resolve().parent.parent))  # fmt: skip
 
 
 if __name__ == "__main__":

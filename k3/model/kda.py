@@ -27,6 +27,7 @@ Parameters per layer at K3 size: 4 x 12288 x 7168 (q, k, v, g) + 12288 x 7168 (o
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from k3.config import K3Config
@@ -36,6 +37,7 @@ from k3.ops.conv import causal_conv1d, causal_conv1d_update
 from k3.ops.gate import kda_gate
 from k3.ops.gated_norm import gated_rms_norm
 from k3.ops.kda import chunk_kda, recurrent_kda
+from k3.ops.kda.prep import L2NORM_EPS
 
 RECURRENT_MAX_T = 64  # with a state, rows this short run the recurrence instead of the chunked kernel
 
@@ -98,6 +100,8 @@ def _check_cu_seqlens(cu_seqlens: torch.Tensor, B: int, T: int) -> torch.Tensor:
 class KimiDeltaAttention(nn.Module):
     """KDA token mixer for decoder layer `layer_idx`: x [B, T, D] -> [B, T, D]."""
 
+    fast_decode = True  # one-token steps take `decode_step` (False: always `forward_reference`)
+
     def __init__(self, config: K3Config, layer_idx: int, device=None, dtype=None):
         super().__init__()
         la = config.linear_attn_config
@@ -147,7 +151,29 @@ class KimiDeltaAttention(nn.Module):
         self, x: torch.Tensor, state: KDAState | None = None, cu_seqlens: torch.Tensor | None = None
     ) -> torch.Tensor:
         """x [B, T, D]; state: read and updated in place (per row, or per document with cu_seqlens);
-        cu_seqlens [N+1] document offsets over the flattened B*T tokens -> y [B, T, D]."""
+        cu_seqlens [N+1] document offsets over the flattened B*T tokens -> y [B, T, D].
+
+        A one-token step with a full state and no autograd (decode) takes `decode_step`, the same maths
+        in fewer ops; everything else (and `fast_decode = False`) takes `forward_reference`."""
+        if (
+            self.fast_decode
+            and cu_seqlens is None
+            and x.shape[1] == 1
+            and state is not None
+            and state.recurrent is not None
+            and state.conv_q is not None
+            and state.conv_k is not None
+            and state.conv_v is not None
+            and not (torch.is_grad_enabled() and x.requires_grad)
+        ):
+            return self.decode_step(x, state)
+        return self.forward_reference(x, state, cu_seqlens)
+
+    def forward_reference(
+        self, x: torch.Tensor, state: KDAState | None = None, cu_seqlens: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The general path (chunked kernel, or the recurrence for short rows with a state); same
+        signature as `forward`."""
         B, T, D = x.shape
         H, K = self.num_heads, self.head_dim
         if cu_seqlens is not None:
@@ -172,3 +198,36 @@ class KimiDeltaAttention(nn.Module):
             state.conv_q, state.conv_k, state.conv_v, state.recurrent = conv_q, conv_k, conv_v, recurrent
         o = self.o_norm(o, self._output_gate(x).view(b, t, H, K))
         return self.o_proj(o.reshape(B, T, H * K))
+
+    def decode_step(self, x: torch.Tensor, state: KDAState) -> torch.Tensor:
+        """One token per row: x [B, 1, D], a full `state` (updated in place) -> y [B, 1, D].
+
+        The three short convs run as one over the concatenated q|k|v channels, and the delta-rule step
+        works on [B, H, K, V] directly (no per-token unbinding). Matches `forward_reference` to rounding.
+        """
+        B, _, D = x.shape
+        H, K = self.num_heads, self.head_dim
+        C, dtype = H * K, x.dtype
+        xt = x[:, 0]
+        u = torch.cat([self.q_proj(xt), self.k_proj(xt), self.v_proj(xt)], -1)  # [B, 3C]
+        window = torch.cat(
+            [torch.cat([state.conv_q, state.conv_k, state.conv_v], 1).to(dtype), u[:, :, None]], 2
+        )  # [B, 3C, W]: the conv history, then this token
+        w = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight])[:, 0]  # [3C, W]
+        qkv = F.silu((window.float() * w.float()).sum(-1))  # [B, 3C] fp32 (the model casts; we keep fp32)
+        qkv = qkv.to(dtype).float()  # the reference rounds the conv outputs to the model dtype
+        q, k, v = qkv.view(B, 3, H, K).unbind(1)  # [B, H, K]
+        state.conv_q, state.conv_k, state.conv_v = (window[:, i * C : (i + 1) * C, 1:] for i in range(3))
+        g = kda_gate(
+            self.f_b_proj(self.f_a_proj(xt)).view(B, 1, H, K), self.A_log, self.dt_bias, self.lower_bound
+        )
+        beta = torch.sigmoid(self.b_proj(xt).float())  # [B, H]
+        q = q / torch.sqrt(q.square().sum(-1, keepdim=True) + L2NORM_EPS) * K**-0.5
+        k = k / torch.sqrt(k.square().sum(-1, keepdim=True) + L2NORM_EPS)
+        S = state.recurrent.float() * g[:, 0].exp()[..., None]  # [B, H, K, V]
+        delta = beta[..., None] * (v - (k[..., None] * S).sum(-2))  # [B, H, V]
+        S = S.addcmul(k[..., None], delta[:, :, None, :])
+        o = (q[..., None] * S).sum(-2)  # [B, H, V]
+        state.recurrent = S
+        o = self.o_norm(o.to(dtype), self._output_gate(xt).view(B, H, K))
+        return self.o_proj(o.reshape(B, 1, C))

@@ -121,7 +121,7 @@ class RoutedExperts(nn.Module):
     """E GLU experts stored stacked: w1 (gate) [E, I, Dl], w2 (down) [E, Dl, I], w3 (up) [E, I, Dl].
 
     forward(z [T, Dl], weights [T, k], indices [T, k], impl=None) -> u [T, Dl] = Σ_i p_i E_i(z).
-    `impl` ("grouped" | "naive") overrides `self.impl` (default "grouped").
+    `impl` (a key of k3.ops.moe.EXPERT_IMPLS) overrides `self.impl` (default "auto": by size).
 
     QAT hook: `compute()` is the one place the expert maths runs. A QAT subclass overrides it to
     fake-quantize z and w1/w2/w3 and to wrap `act` (whose output is w2's input), e.g.
@@ -135,7 +135,7 @@ class RoutedExperts(nn.Module):
         intermediate: int,
         act: GLUFn,
         init_std: float = 0.02,
-        impl: str = "grouped",
+        impl: str = "auto",
     ):
         super().__init__()
         if impl not in EXPERT_IMPLS:
@@ -159,7 +159,7 @@ class RoutedExperts(nn.Module):
         return self.compute(EXPERT_IMPLS[impl], z, weights, indices)
 
     def compute(self, fn, z: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
-        """The expert maths (the QAT override point): `fn` is experts_grouped or experts_naive."""
+        """The expert maths (the QAT override point): `fn` is one of k3.ops.moe.EXPERT_IMPLS."""
         return fn(z, weights, indices, self.w1, self.w2, self.w3, self.act)
 
     def extra_repr(self) -> str:

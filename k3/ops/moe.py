@@ -10,6 +10,8 @@ tokens of one optimizer step (all micro-batches).
   on stacked weights w1 [E, I, Dl] (gate), w3 [E, I, Dl] (up), w2 [E, Dl, I] (down). The naive one runs
   every expert on every token and masks (the reference); the grouped one sorts the T·k token-slots by
   expert and runs each expert once on its contiguous slice. Same signature; both accumulate in fp32.
+  `experts_active` (one GLU call for all slots; decode skips the sort) and `experts_padded` (all experts
+  as batched matmuls over a capacity-padded layout) are the inference fast paths; `experts_auto` picks.
 * `quantile_balance_bias` — Quantile Balancing (SPEC §4.1), the exact single-process form; see docs/moe.md
   for the derivation and the rule for a non-integer target load q = m·k/E.
 * `sign_update_bias` — DeepSeek-V3's auxiliary-loss-free sign update, the ablation alternative.
@@ -77,7 +79,7 @@ def route(
     weights = scores.gather(1, indices)
     if renormalize:
         weights = weights / (weights.sum(-1, keepdim=True) + RENORM_EPS)
-    return weights * scaling, indices, scores
+    return (weights if scaling == 1.0 else weights * scaling), indices, scores
 
 
 def expert_load(indices_Tk: torch.Tensor, num_experts: int) -> torch.Tensor:
@@ -149,7 +151,99 @@ def experts_grouped(z, weights, indices, w1, w2, w3, act: GLUFn) -> torch.Tensor
     return out.to(z.dtype)
 
 
-EXPERT_IMPLS = {"naive": experts_naive, "grouped": experts_grouped}
+PAD_MAX_RATIO = 1.5  # `experts_padded` only while E·C <= this x T·k (bounds the padding's compute)
+
+
+def experts_active(z, weights, indices, w1, w2, w3, act: GLUFn) -> torch.Tensor:
+    """Inference fast path, same signature and result as `experts_naive`.
+
+    `experts_grouped` with one GLU call over all token-slots instead of one per expert: per active expert
+    only its two input mat-muls and its down mat-mul. A single token (decode) skips the sort, since its
+    k slots are already one per expert. One host read of the indices (T == 1) or the expert counts.
+    """
+    _check_experts(z, weights, indices, w1, w2, w3)
+    T, k = indices.shape
+    if T == 1:  # one slot per expert, in slot order
+        experts = indices[0].tolist()
+        gate = torch.cat([F.linear(z, w1[e]) for e in experts])  # [k, I]
+        up = torch.cat([F.linear(z, w3[e]) for e in experts])
+        h = act(gate, up)
+        y = torch.stack([F.linear(h[s], w2[e]) for s, e in enumerate(experts)])  # [k, Dl]
+        return (y.float() * weights[0, :, None].float()).sum(0, keepdim=True).to(z.dtype)
+    flat = indices.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    token_of_slot = order // k
+    per_expert = torch.bincount(flat, minlength=w1.shape[0]).tolist()
+    experts = [e for e, n in enumerate(per_expert) if n]
+    counts = [per_expert[e] for e in experts]
+    xs = z[token_of_slot].split(counts)
+    gate = torch.cat([F.linear(xe, w1[e]) for xe, e in zip(xs, experts, strict=True)])  # [T*k, I]
+    up = torch.cat([F.linear(xe, w3[e]) for xe, e in zip(xs, experts, strict=True)])
+    hs = act(gate, up).split(counts)
+    y = torch.cat([F.linear(he, w2[e]) for he, e in zip(hs, experts, strict=True)])  # [T*k, Dl]
+    y = y.float() * weights.reshape(-1)[order].float()[:, None]
+    out = torch.zeros(z.shape, dtype=torch.float32, device=z.device).index_add_(0, token_of_slot, y)
+    return out.to(z.dtype)
+
+
+def _slot_layout(indices: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """indices [T, k] -> (order [T·k] slot ids grouped by expert, dest [T·k] row of each sorted slot in
+    the padded [E·C] layout, C the largest expert load). One host read (C)."""
+    flat = indices.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=num_experts)
+    cap = int(counts.max())
+    expert = flat[order]
+    rank = torch.arange(flat.numel(), device=flat.device) - (counts.cumsum(0) - counts)[expert]
+    return order, expert * cap + rank, cap
+
+
+def experts_padded(z, weights, indices, w1, w2, w3, act: GLUFn) -> torch.Tensor:
+    """Fast path for many token-slots, same signature and result as `experts_naive`.
+
+    Scatters the slots into a capacity-padded [E, C, Dl] batch (C = the largest expert load) and runs all
+    experts at once as three batched matmuls on the stacked weights (no per-expert loop); padding rows
+    are zeros and are never read back. Costs E·C/(T·k) x the useful FLOPs (see PAD_MAX_RATIO).
+    """
+    _check_experts(z, weights, indices, w1, w2, w3)
+    return _padded(z, weights, indices, w1, w2, w3, act, _slot_layout(indices, w1.shape[0]))
+
+
+def _padded(z, weights, indices, w1, w2, w3, act, layout) -> torch.Tensor:
+    order, dest, cap = layout
+    k = indices.shape[1]
+    E, _, Dl = w1.shape
+    token_of_slot = order // k
+    x = z.new_zeros(E * cap, Dl).index_copy(0, dest, z[token_of_slot]).view(E, cap, Dl)
+    h = act(torch.bmm(x, w1.mT), torch.bmm(x, w3.mT))  # [E, C, I]
+    y = torch.bmm(h, w2.mT).view(E * cap, Dl)[dest]  # [T*k, Dl], sorted slot order
+    y = y.float() * weights.reshape(-1)[order].float()[:, None]
+    out = torch.zeros(z.shape, dtype=torch.float32, device=z.device).index_add_(0, token_of_slot, y)
+    return out.to(z.dtype)
+
+
+def experts_auto(z, weights, indices, w1, w2, w3, act: GLUFn) -> torch.Tensor:
+    """The fastest exact path by size and mode (same signature and result as `experts_naive`):
+    with autograd `experts_grouped` (training); without, `experts_padded` while the padding is bounded
+    (E·C <= PAD_MAX_RATIO·T·k, e.g. a long balanced prefill), else `experts_active`."""
+    _check_experts(z, weights, indices, w1, w2, w3)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (z, weights, w1, w2, w3)):
+        return experts_grouped(z, weights, indices, w1, w2, w3, act)
+    slots, E = indices.numel(), w1.shape[0]
+    if slots >= E:
+        layout = _slot_layout(indices, E)
+        if E * layout[2] <= PAD_MAX_RATIO * slots:
+            return _padded(z, weights, indices, w1, w2, w3, act, layout)
+    return experts_active(z, weights, indices, w1, w2, w3, act)
+
+
+EXPERT_IMPLS = {
+    "naive": experts_naive,
+    "grouped": experts_grouped,
+    "active": experts_active,
+    "padded": experts_padded,
+    "auto": experts_auto,
+}
 
 
 # ---- router-bias updates (no gradient; once per optimizer step) -------------------------------------

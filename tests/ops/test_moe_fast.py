@@ -1,0 +1,80 @@
+"""MoE inference fast paths (experts_active, experts_padded, experts_auto) against experts_naive."""
+
+import pytest
+import torch
+
+from k3.ops import moe
+from k3.ops.glu import situ_glu, swiglu
+from k3.ops.moe import experts_active, experts_auto, experts_grouped, experts_naive, experts_padded
+
+
+def _case(T, k, E=8, I=16, Dl=12, seed=0, skew=False):
+    g = torch.Generator().manual_seed(seed)
+    w = [torch.randn(*s, generator=g) * 0.5 for s in ((E, I, Dl), (E, Dl, I), (E, I, Dl))]
+    z = torch.randn(T, Dl, generator=g)
+    weights = torch.rand(T, k, generator=g)
+    if skew:  # every token picks expert 0 first: a very uneven load
+        idx = torch.stack([torch.cat([torch.tensor([0]), torch.randperm(E - 1, generator=g)[: k - 1] + 1])
+                           for _ in range(T)])  # fmt: skip
+    else:
+        idx = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+    return z, weights, idx, w
+
+
+@pytest.mark.parametrize("fn", [experts_active, experts_padded, experts_auto])
+@pytest.mark.parametrize(
+    ("T", "k", "skew"), [(1, 2, False), (1, 8, False), (5, 3, False), (64, 2, False), (33, 2, True)]
+)
+def test_fast_experts_match_naive_forward_backward(fn, T, k, skew):
+    z, weights, idx, w = _case(T, k, skew=skew)
+    leaves = [t.requires_grad_() for t in (z, weights, *w)]
+    ref = experts_naive(z, weights, idx, *w, situ_glu)
+    got = fn(z, weights, idx, *w, situ_glu)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    gy = torch.randn_like(ref)
+    want = torch.autograd.grad(ref, leaves, gy)
+    have = torch.autograd.grad(got, leaves, gy)
+    for name, a, b in zip(("z", "weights", "w1", "w2", "w3"), have, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_fast_experts_bf16_and_repeated_experts():
+    z, weights, idx, w = _case(4, 3)
+    idx[:, 1] = idx[:, 0]  # a token may name an expert twice: both slots count
+    ref = experts_naive(z, weights, idx, *w, swiglu)
+    for fn in (experts_active, experts_padded):
+        torch.testing.assert_close(fn(z, weights, idx, *w, swiglu), ref, rtol=1e-5, atol=1e-5)
+        zb, wb = z.bfloat16(), [t.bfloat16() for t in w]
+        out = fn(zb, weights, idx, *wb, swiglu)
+        assert out.dtype == torch.bfloat16
+        torch.testing.assert_close(out.float(), experts_naive(zb, weights, idx, *wb, swiglu).float(),
+                                   rtol=2e-2, atol=2e-2)  # fmt: skip
+
+
+def test_auto_dispatch(monkeypatch):
+    calls = []
+    for name in ("experts_grouped", "experts_active"):
+        real = getattr(moe, name)
+        monkeypatch.setattr(moe, name, lambda *a, _n=name, _f=real: calls.append(_n) or _f(*a))
+    real_padded = moe._padded
+    monkeypatch.setattr(moe, "_padded", lambda *a: calls.append("padded") or real_padded(*a))
+    z, weights, idx, w = _case(64, 2)
+    with torch.no_grad():
+        moe.experts_auto(z, weights, idx, *w, situ_glu)  # 128 slots over 8 experts, nearly even
+        moe.experts_auto(*_case(1, 2)[:3], *w, situ_glu)  # decode
+        zs, ws, idxs, _ = _case(33, 2, skew=True)
+        moe.experts_auto(zs, ws, idxs, *w, situ_glu)  # expert 0 has all 33 tokens: too much padding
+    moe.experts_auto(z, weights, idx, *[t.requires_grad_() for t in w], situ_glu)  # training
+    assert calls == ["padded", "experts_active", "experts_active", "experts_grouped"]
+
+
+def test_fast_experts_validate_shapes():
+    z, weights, idx, w = _case(3, 2)
+    for fn in (experts_active, experts_padded, experts_auto):
+        with pytest.raises(ValueError, match="weights"):
+            fn(z, weights, idx[:-1], *w, situ_glu)
+        with pytest.raises(ValueError, match="w1"):
+            fn(z, weights, idx, w[1], w[1], w[2], situ_glu)
+    assert torch.equal(
+        experts_grouped(z, weights, idx, *w, situ_glu), experts_active(z, weights, idx, *w, situ_glu)
+    )
