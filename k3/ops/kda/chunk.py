@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from k3.ops.kda import varlen
 from k3.ops.kda.decay import pick_sub_chunk
+from k3.ops.kda.halves import halves_fit, halves_local
 from k3.ops.kda.intra import local_backward, local_factors, local_solve
 from k3.ops.kda.prep import check_inputs, doc_lengths
 from k3.ops.kda.scratch import Workspace, denormals_flushed
@@ -74,7 +75,8 @@ def chunk_kda(
     keep = torch.is_grad_enabled() and any(t.requires_grad for t in [*chunks, h0] if t is not None)
     scale = K**-0.5 if scale is None else float(scale)
     group = max(1, GROUP_MATRICES // (B * H))
-    plan = _Plan(segments, pick_sub_chunk(chunks[3]), group, keep, scale, use_qk_l2norm)
+    halves = halves_fit(chunks[3], use_qk_l2norm, scale)
+    plan = _Plan(segments, pick_sub_chunk(chunks[3]), group, keep, scale, use_qk_l2norm, halves)
     o, finals = _ChunkKDA.apply(*chunks, h0, plan)
     o = o.unflatten(1, (-1, H)).permute(1, 0, 3, 2, 4).reshape(-1, total, H, o.shape[-1])  # [B, total, H, V]
     if cu_seqlens is None:
@@ -85,15 +87,17 @@ def chunk_kda(
 
 
 def _to_chunks(x: torch.Tensor, C: int) -> torch.Tensor:
-    """[B, T, H, *] -> [T/C, B*H, C, *] contiguous: chunk-major, so a run of chunks is one dense slice."""
+    """[B, T, H, *] -> [T/C, B*H, C, *], chunk-major: a view of x when B == 1, else a copy. The chunk-local
+    maps read the views directly; the paths that need dense [M, C, *] slices copy group by group."""
     x = x.unflatten(1, (-1, C)).movedim(3, 2).movedim(1, 0)  # [NC, B, H, C, *]
-    return x.flatten(1, 2).contiguous()
+    return x.flatten(1, 2)
 
 
 @dataclass(frozen=True)
 class _Plan:
     """segments: (first, end) chunk of each independent sequence; sub: sub-chunk size; group: chunks per
-    batched chunk-local step; keep: save what the backward needs; scale, l2norm: the q/k normalisation."""
+    batched chunk-local step; keep: save what the backward needs; scale, l2norm: the q/k normalisation;
+    halves: the forward's chunk-local maps take the two-half path (`halves.py`)."""
 
     segments: tuple[tuple[int, int], ...]
     sub: int
@@ -101,6 +105,7 @@ class _Plan:
     keep: bool
     scale: float
     l2norm: bool
+    halves: bool
     first: dict = field(init=False)
     last: dict = field(init=False)
 
@@ -135,36 +140,52 @@ def _forward(q, k, v, g, beta, h0, plan):
     """State pass over chunk groups -> (o, saved for the backward or (), finals)."""
     NC, BH, C, K = q.shape
     V = v.shape[-1]
-    o, v_new = v.new_empty(NC, BH, C, V), v.new_empty(NC, BH, C, V)
-    finals = q.new_empty(len(plan.segments), BH, K, V)
-    if plan.keep:  # the state entering each chunk, V', and the chunk-local matmul results
-        saved = [q.new_empty(NC, BH, K, V), v_new, q.new_empty(NC, BH, C, C), q.new_empty(NC, BH, C, C)]
-        saved.append(q.new_empty(NC, BH, C, V + K))
+    o, finals = v.new_empty(NC, BH, C, V), q.new_empty(len(plan.segments), BH, K, V)
+    if plan.keep:  # the state entering each chunk (and the last one leaving), V', A_qk, A_kk, [U | W]
+        saved = [q.new_empty(NC + 1, BH, K, V), v.new_empty(NC, BH, C, V), q.new_empty(NC, BH, C, C)]
+        saved += [q.new_empty(NC, BH, C, C), q.new_empty(NC, BH, C, V + K)]
     ws, S = Workspace(), None
     for c0, c1 in plan.groups(NC):
-        M = (c1 - c0) * BH
-        x = [t[c0:c1].flatten(0, 1) for t in (q, k, v, g, beta)]
-        loc = local_factors(x[0], x[1], x[3], x[4], plan.sub, plan.scale, plan.l2norm, ws)
+        G, M = c1 - c0, (c1 - c0) * BH
+        x = [t[c0:c1] for t in (q, k, v, g, beta)]
         if plan.keep:
+            states, v_new = saved[0][c0 : c1 + 1], saved[1][c0:c1]
             A_qk, A_kk, X = (t[c0:c1].flatten(0, 1) for t in saved[2:])
         else:
+            states, v_new = ws.get("states", q, G + 1, BH, K, V), ws.get("v_new", q, G, BH, C, V)
             A_qk, A_kk = ws.get("A_qk", q, M, C, C), ws.get("A_kk", q, M, C, C)
             X = ws.get("X", q, M, C, V + K)
-        local_solve(loc, x[2], x[4], A_qk, A_kk, X, ws)
-        U, W = X[..., :V], X[..., V:]
-        states = saved[0][c0:c1] if plan.keep else ws.get("states", q, c1 - c0, BH, K, V)
-        for c in range(c0, c1):
+        qg, k_dec, decay = _local(x, plan, A_qk, A_kk, X, ws)
+        # per-chunk [BH, ...] views, made once per group (the loop is dispatch-bound)
+        per_chunk = (X[..., :V], X[..., V:], k_dec.mT, decay[..., None])
+        U, W, k_decT, dec = (t.unflatten(0, (G, BH)).unbind(0) for t in per_chunk)
+        S_ins, v_news = states.unbind(0), v_new.unbind(0)
+        for j, c in enumerate(range(c0, c1)):
             if c in plan.first:
                 S = q.new_zeros(BH, K, V) if h0 is None else h0[plan.first[c]]
-            states[c - c0] = S
-            i = slice((c - c0) * BH, (c - c0 + 1) * BH)
-            torch.baddbmm(U[i], W[i], S, alpha=-1, out=v_new[c])  # V' = U - W S
-            S = (S * loc.f.decay[i, :, None]).baddbmm_(loc.k_dec[i].mT, v_new[c])
+            S_in = S_ins[j]
+            if S.data_ptr() != S_in.data_ptr():  # a segment's first chunk, or a new group without keep
+                S_in.copy_(S)
+            torch.baddbmm(U[j], W[j], S_in, alpha=-1, out=v_news[j])  # V' = U - W S
+            S = torch.mul(S_in, dec[j], out=S_ins[j + 1]).baddbmm_(k_decT[j], v_news[j])
             if c in plan.last:
                 finals[plan.last[c]] = S
-        o_g = torch.bmm(loc.qg, states.flatten(0, 1), out=o[c0:c1].flatten(0, 1))
-        o_g.baddbmm_(A_qk, v_new[c0:c1].flatten(0, 1))
+        o_g = torch.bmm(qg, states[:G].flatten(0, 1), out=o[c0:c1].flatten(0, 1))
+        o_g.baddbmm_(A_qk, v_new.flatten(0, 1))
+    if plan.keep:
+        saved[0] = saved[0][:NC]
     return o, saved if plan.keep else (), finals
+
+
+def _local(x, plan, A_qk, A_kk, X, ws):
+    """Chunk-local maps of one group (x: q, k, v, g, beta [G, BH, C, *] views): fills A_qk, A_kk, X;
+    returns (qg, k_dec, decay)."""
+    if plan.halves:
+        return halves_local(*x, plan.scale, A_qk, A_kk, X, ws)
+    q, k, v, g, beta = (t.flatten(0, 1) for t in x)
+    loc = local_factors(q, k, g, beta, plan.sub, plan.scale, plan.l2norm, ws)
+    local_solve(loc, v, beta, A_qk, A_kk, X, ws)
+    return loc.qg, loc.k_dec, loc.f.decay
 
 
 def _backward(q, k, v, g, beta, states, v_new, A_qk, A_kk, X, do, dfinals, plan, has_h0):

@@ -1,0 +1,104 @@
+"""Forward chunk-local maps of chunked KDA with the chunk cut in two halves (the fast forward case).
+
+`intra.py` cuts a chunk into sub-chunks of <= 16 tokens so that every factor stays within e^+-40, and
+pays for it with one column matrix per (chunk, row sub-chunk) and a 3/8-empty A product. When every
+half-chunk decays by at most 140 per channel (C = 64 and the K3 safe gate -5 sigmoid(z) average ~80
+per half), two blocks suffice. With h = C / 2, Γ the in-chunk cumulative log decay, gin the cumulative
+log decay inside the token's half (<= 0), tot_a its value at the end of half a and mid_a = start_a +
+tot_a / 2:
+
+    diagonal blocks   exp(Γ_i - Γ_j) = exp(Γ_i - mid_a) * exp(mid_a - Γ_j)        both in e^+-70
+    lower-left block  exp(Γ_i - Γ_j) = exp(gin_i) * exp(tot_0 - gin_j)            both <= 1
+
+so A's three non-zero blocks are two batched matmuls with no per-block column copies. Every other
+factor is a product of terms <= 1 (exp(Γ) Q = exp(gin) exp(start_a) Q, ...), so an underflow to zero
+is always an underflow of the true value. The diagonal products above the causal diagonal can overflow;
+they are dropped with `where` (never multiplied). q, k must be L2-normalised (|q|, |k| <= scale, 1), so
+that q * e^70 stays finite.
+
+This path only fills what the forward needs and the backward keeps (A_qk, A_kk, X = [U | W]) plus
+exp(Γ) Q, exp(Γ_C - Γ) K and the chunk retention; the backward recomputes `intra.local_factors`.
+"""
+
+from functools import lru_cache
+
+import torch
+
+from k3.ops.kda.prep import L2NORM_EPS
+from k3.ops.kda.scratch import Workspace
+
+MAX_HALF_DECAY = 140.0  # factors >= e^-70 keep q, k components down to ~e^-17 of the largest normal
+MAX_SCALE = 64.0  # q * scale * e^70 must stay far below fp32's max (~e^88.7)
+
+
+def halves_fit(g: torch.Tensor, l2norm: bool, scale: float) -> bool:
+    """g [..., C, K] (log decay, <= 0) -> whether the two-half forward applies: q, k normalised, a
+    moderate scale and no half-chunk decaying by more than MAX_HALF_DECAY in any channel."""
+    if not l2norm or abs(scale) > MAX_SCALE or g.shape[-2] < 2:
+        return False
+    C = g.shape[-2]
+    return -float(g.detach().unflatten(-2, (2, C // 2)).sum(-2).min()) <= MAX_HALF_DECAY
+
+
+def halves_local(q, k, v, g, beta, scale: float, A_qk, A_kk, X, ws: Workspace):
+    """Raw fp32 q, k, g [G, BH, C, K], v [G, BH, C, V], beta [G, BH, C] (any strides: the chunked views
+    of the caller's tensors) -> fills A_qk, A_kk [M, C, C] and X = [U | W] [M, C, V + K] (M = G BH);
+    returns qg = exp(Γ) q, k_dec = exp(Γ_C - Γ) k [M, C, K] and the chunk retention exp(Γ_C) [M, K]."""
+    G, BH, C, K = q.shape
+    M, V, h = G * BH, v.shape[-1], C // 2
+    half = lambda t: t.unflatten(-2, (2, h))  # noqa: E731  [G, BH, 2, h, *]
+    buf = lambda name, *shape: ws.get(name, q, G, BH, *shape)  # noqa: E731
+    gin = torch.cumsum(half(g), -2, out=buf("gin", 2, h, K))
+    tot = gin[..., -1:, :]  # [G, BH, 2, 1, K]
+    rc = torch.sub(gin, tot, alpha=0.5, out=buf("rc", 2, h, K)).exp_()  # exp(Γ_i - mid_a)
+    cd = torch.reciprocal(rc, out=buf("cd", 2, h, K))  # exp(mid_a - Γ_j)
+    iq, ik = half(_inv_norm(q).mul_(scale)), half(_inv_norm(k))
+    rows_q = torch.mul(half(q), rc, out=buf("rows_q", 2, h, K)).mul_(iq)
+    rows_k = torch.mul(half(k), rc, out=buf("rows_k", 2, h, K)).mul_(ik * half(beta[..., None]))
+    # cols[a] [C, K]: k_j exp(mid_a - Γ_j) for the columns row half a needs (j < (a + 1) h), else 0
+    cols = buf("cols", 2, 2, h, K)
+    for a in range(2):
+        torch.mul(half(k)[:, :, a], cd[:, :, a], out=cols[:, :, a, a]).mul_(ik[:, :, a])
+    # exp(mid_1 - Γ_j) = exp(mid_0 - Γ_j) exp(tot_0 / 2) exp(tot_1 / 2), every step a normal number or
+    # a true value below e^-87 (their product exp(mid_1 - mid_0) alone could underflow)
+    e_half = torch.mul(tot, 0.5).exp_()
+    torch.mul(cols[:, :, 0, 0], e_half[:, :, 0], out=cols[:, :, 1, 0]).mul_(e_half[:, :, 1])
+    cols[:, :, 0, 1] = 0
+    cols_t = cols.view(2 * M, C, K).mT
+    torch.bmm(rows_q.view(2 * M, h, K), cols_t, out=A_qk.view(2 * M, h, C))
+    torch.bmm(rows_k.view(2 * M, h, K), cols_t, out=A_kk.view(2 * M, h, C))
+    _mask_diagonal_blocks(A_qk.view(M, 2, h, 2, h), A_kk.view(M, 2, h, 2, h))
+    # exp(Γ_i) = exp(Γ_i - mid_a) exp(mid_a), exp(Γ_C - Γ_j) = exp(mid_a - Γ_j) exp(Γ_C - mid_a): the
+    # second factors are <= 1; where they underflow the true product is below e^(70 - 87)
+    e_mid = torch.cat([tot[:, :, :1] * 0.5, tot[:, :, :1] + 0.5 * tot[:, :, 1:]], 2).exp_()
+    decay = tot.sum(2, keepdim=True)  # Γ_C [G, BH, 1, 1, K]
+    e_tail = torch.cat([decay - 0.5 * tot[:, :, :1], 0.5 * tot[:, :, 1:]], 2).exp_()
+    qg = torch.mul(rows_q, e_mid, out=buf("qg", 2, h, K)).view(M, C, K)
+    torch.mul(rows_k, e_mid, out=half(X[..., V:].view(G, BH, C, K)))
+    torch.mul(v, beta[..., None], out=X[..., :V].view(G, BH, C, V))
+    k_dec = buf("k_dec", 2, h, K)
+    for a in range(2):
+        torch.mul(cols[:, :, a, a], e_tail[:, :, a], out=k_dec[:, :, a])
+    # X^T (I + A_kk)^T = R^T, in place: the layout LAPACK takes without copies
+    torch.linalg.solve_triangular(A_kk.mT, X.mT, upper=True, left=False, unitriangular=True, out=X.mT)
+    return qg, k_dec.view(M, C, K), decay.view(M, K).exp_()
+
+
+def _mask_diagonal_blocks(A_qk, A_kk):
+    """Zero the acausal part of the two diagonal [h, h] blocks of A_qk (j > i) and A_kk (j >= i), viewed
+    [M, 2, h, 2, h]: their products can overflow, so they are overwritten, never multiplied."""
+    above, on_or_above = _masks(A_qk.shape[-1], A_qk.device)
+    for a in range(2):
+        A_qk[:, a, :, a].masked_fill_(above, 0.0)
+        A_kk[:, a, :, a].masked_fill_(on_or_above, 0.0)
+
+
+def _inv_norm(x: torch.Tensor) -> torch.Tensor:
+    """(|x|^2 + eps)^-1/2 over the last dim -> [..., 1] (the fla in-kernel L2 norm)."""
+    return torch.linalg.vector_norm(x, dim=-1, keepdim=True).square_().add_(L2NORM_EPS).rsqrt_()
+
+
+@lru_cache(maxsize=16)
+def _masks(h: int, device: torch.device):
+    ones = torch.ones(h, h, dtype=torch.bool, device=device)
+    return ones.triu(1), ones.triu()  # j > i, j >= i
