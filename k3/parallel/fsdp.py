@@ -18,8 +18,9 @@ gradients (tried: the last layer's unit never reduce-scatters). The units are th
 down (mixer, FFN, experts: tensor in, tensor out, resharded after forward as usual); the layers' own
 [D]-sized norm and AttnRes vectors stay with the root unit (unsharded from forward to backward).
 
-`clip_grad_norm_` is a DTensor-aware global-norm clip: each gradient's norm is reduced over its own
-mesh (dense and expert grads live on different meshes, which torch's clip cannot stack).
+`clip_grad_norm_` is a DTensor-aware global-norm clip: the gradients' squared norms are reduced over
+their own meshes (dense and expert grads live on different meshes, which torch's clip cannot stack),
+one all-reduce per mesh dim rather than per parameter.
 """
 
 from __future__ import annotations
@@ -28,9 +29,10 @@ import math
 import warnings
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 from k3.parallel.mesh import Meshes
 
@@ -52,16 +54,36 @@ def apply_fsdp(model: nn.Module, mesh: Meshes, param_dtype: torch.dtype | None =
     return model
 
 
+def _sharded(t: DTensor) -> bool:
+    """Every placement splits the elements (Shard, FSDP2's _StridedShard): the local squared sums of
+    the mesh's ranks add up to the global one."""
+    return all(isinstance(p, Shard) or type(p).__name__ == "_StridedShard" for p in t.placements)
+
+
 @torch.no_grad()
 def grad_norm(params) -> torch.Tensor:
-    """Global L2 norm of the gradients (DTensor or plain), as a plain fp32 scalar tensor."""
+    """Global L2 norm of the gradients (DTensor or plain), as a plain fp32 scalar tensor on the CPU.
+
+    Sharded DTensor grads: local squared sums added per mesh, then one all-reduce per mesh dim (here
+    dp_ep: 1, (dp, ep): 2), not one per parameter; anything else (a Replicate / Partial placement) is
+    reduced on its own through DTensor."""
+    per_mesh: dict = {}
     total = torch.zeros((), dtype=torch.float32)
     for p in params:
         if p.grad is None:
             continue
-        n = torch.linalg.vector_norm(p.grad.float())
-        n = n.full_tensor() if isinstance(n, DTensor) else n
-        total = total + n.cpu() ** 2
+        g = p.grad
+        if isinstance(g, DTensor) and _sharded(g):
+            sq = torch.linalg.vector_norm(g.to_local().float()) ** 2
+            per_mesh[g.device_mesh] = per_mesh.get(g.device_mesh, 0.0) + sq
+        else:
+            n = torch.linalg.vector_norm(g.float())
+            n = n.full_tensor() if isinstance(n, DTensor) else n
+            total = total + n.cpu() ** 2
+    for mesh, sq in per_mesh.items():
+        for dim in range(mesh.ndim):
+            dist.all_reduce(sq, group=mesh.get_group(dim))
+        total = total + sq.cpu()
     return total.sqrt()
 
 
