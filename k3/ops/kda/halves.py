@@ -28,6 +28,7 @@ from k3.ops.kda.prep import L2NORM_EPS
 from k3.ops.kda.scratch import Workspace
 
 MAX_HALF_DECAY = 140.0  # factors >= e^-70 keep q, k components down to ~e^-17 of the largest normal
+EXP_FLOOR = -87.0  # e^-87 ~ 1.6e-38 is still a normal fp32 number
 MAX_SCALE = 64.0  # q * scale * e^70 must stay far below fp32's max (~e^88.7)
 
 
@@ -67,12 +68,12 @@ def halves_local(q, k, v, g, beta, scale: float, A_qk, A_kk, X, ws: Workspace):
     cols_t = cols.view(2 * M, C, K).mT
     torch.bmm(rows_q.view(2 * M, h, K), cols_t, out=A_qk.view(2 * M, h, C))
     torch.bmm(rows_k.view(2 * M, h, K), cols_t, out=A_kk.view(2 * M, h, C))
-    _mask_diagonal_blocks(A_qk.view(M, 2, h, 2, h), A_kk.view(M, 2, h, 2, h))
+    _mask_acausal(A_qk, A_kk)
     # exp(Γ_i) = exp(Γ_i - mid_a) exp(mid_a), exp(Γ_C - Γ_j) = exp(mid_a - Γ_j) exp(Γ_C - mid_a): the
     # second factors are <= 1; where they underflow the true product is below e^(70 - 87)
-    e_mid = torch.cat([tot[:, :, :1] * 0.5, tot[:, :, :1] + 0.5 * tot[:, :, 1:]], 2).exp_()
+    e_mid = _exp(torch.cat([tot[:, :, :1] * 0.5, tot[:, :, :1] + 0.5 * tot[:, :, 1:]], 2))
     decay = tot.sum(2, keepdim=True)  # Γ_C [G, BH, 1, 1, K]
-    e_tail = torch.cat([decay - 0.5 * tot[:, :, :1], 0.5 * tot[:, :, 1:]], 2).exp_()
+    e_tail = _exp(torch.cat([decay - 0.5 * tot[:, :, :1], 0.5 * tot[:, :, 1:]], 2))
     qg = torch.mul(rows_q, e_mid, out=buf("qg", 2, h, K)).view(M, C, K)
     torch.mul(rows_k, e_mid, out=half(X[..., V:].view(G, BH, C, K)))
     torch.mul(v, beta[..., None], out=X[..., :V].view(G, BH, C, V))
@@ -81,16 +82,21 @@ def halves_local(q, k, v, g, beta, scale: float, A_qk, A_kk, X, ws: Workspace):
         torch.mul(cols[:, :, a, a], e_tail[:, :, a], out=k_dec[:, :, a])
     # X^T (I + A_kk)^T = R^T, in place: the layout LAPACK takes without copies
     torch.linalg.solve_triangular(A_kk.mT, X.mT, upper=True, left=False, unitriangular=True, out=X.mT)
-    return qg, k_dec.view(M, C, K), decay.view(M, K).exp_()
+    return qg, k_dec.view(M, C, K), _exp(decay.view(M, K))
 
 
-def _mask_diagonal_blocks(A_qk, A_kk):
-    """Zero the acausal part of the two diagonal [h, h] blocks of A_qk (j > i) and A_kk (j >= i), viewed
-    [M, 2, h, 2, h]: their products can overflow, so they are overwritten, never multiplied."""
+def _mask_acausal(A_qk, A_kk):
+    """Zero A_qk where j > i and A_kk where j >= i ([M, C, C], one contiguous pass each): the diagonal
+    blocks' products there can overflow, so they are overwritten, never multiplied."""
     above, on_or_above = _masks(A_qk.shape[-1], A_qk.device)
-    for a in range(2):
-        A_qk[:, a, :, a].masked_fill_(above, 0.0)
-        A_kk[:, a, :, a].masked_fill_(on_or_above, 0.0)
+    A_qk.masked_fill_(above, 0.0)
+    A_kk.masked_fill_(on_or_above, 0.0)
+
+
+def _exp(x: torch.Tensor) -> torch.Tensor:
+    """exp with the exponent clamped at EXP_FLOOR (in place): keeps exp off its very slow underflow path;
+    the factors it is used for multiply terms <= e^70, so the change is below e^-17 of the largest."""
+    return x.clamp_(min=EXP_FLOOR).exp_()
 
 
 def _inv_norm(x: torch.Tensor) -> torch.Tensor:
@@ -99,6 +105,6 @@ def _inv_norm(x: torch.Tensor) -> torch.Tensor:
 
 
 @lru_cache(maxsize=16)
-def _masks(h: int, device: torch.device):
-    ones = torch.ones(h, h, dtype=torch.bool, device=device)
+def _masks(n: int, device: torch.device):
+    ones = torch.ones(n, n, dtype=torch.bool, device=device)
     return ones.triu(1), ones.triu()  # j > i, j >= i
