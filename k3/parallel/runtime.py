@@ -65,6 +65,10 @@ class DistributedRuntime(LocalRuntime):
 
     def __init__(self, options: ParallelOptions | None = None):
         self.options = options or ParallelOptions()
+        local, gpus = int(os.environ.get("LOCAL_RANK", "0")), torch.cuda.device_count()
+        if device_type() == "cuda" and local >= gpus:
+            per_node = os.environ.get("LOCAL_WORLD_SIZE", "?")
+            raise ValueError(f"nproc: {per_node} processes on this node, but it has {gpus} GPU(s)")
         self.rank, self.world_size = init_distributed()
         self.is_main = self.rank == 0
         self.dims = ParallelDims.from_world(self.world_size, self.options.ep)
