@@ -54,8 +54,9 @@ def halves_local(q, k, v, g, beta, scale: float, A_qk, A_kk, X, ws: Workspace):
     rc = torch.sub(gin, tot, alpha=0.5, out=buf("rc", 2, h, K)).exp_()  # exp(Γ_i - mid_a)
     cd = torch.reciprocal(rc, out=buf("cd", 2, h, K))  # exp(mid_a - Γ_j)
     iq, ik = half(_inv_norm(q).mul_(scale)), half(_inv_norm(k))
-    rows_q = torch.mul(half(q), rc, out=buf("rows_q", 2, h, K)).mul_(iq)
-    rows_k = torch.mul(half(k), rc, out=buf("rows_k", 2, h, K)).mul_(ik * half(beta[..., None]))
+    rows = buf("rows", 2, 2, h, K)  # [G, BH, half, (q | beta k), h, K]: one taller matmul for both A's
+    rows_q = torch.mul(half(q), rc, out=rows[:, :, :, 0]).mul_(iq)
+    rows_k = torch.mul(half(k), rc, out=rows[:, :, :, 1]).mul_(ik * half(beta[..., None]))
     # cols[a] [C, K]: k_j exp(mid_a - Γ_j) for the columns row half a needs (j < (a + 1) h), else 0
     cols = buf("cols", 2, 2, h, K)
     for a in range(2):
@@ -65,10 +66,8 @@ def halves_local(q, k, v, g, beta, scale: float, A_qk, A_kk, X, ws: Workspace):
     e_half = torch.mul(tot, 0.5).exp_()
     torch.mul(cols[:, :, 0, 0], e_half[:, :, 0], out=cols[:, :, 1, 0]).mul_(e_half[:, :, 1])
     cols[:, :, 0, 1] = 0
-    cols_t = cols.view(2 * M, C, K).mT
-    torch.bmm(rows_q.view(2 * M, h, K), cols_t, out=A_qk.view(2 * M, h, C))
-    torch.bmm(rows_k.view(2 * M, h, K), cols_t, out=A_kk.view(2 * M, h, C))
-    _mask_acausal(A_qk, A_kk)
+    A = torch.bmm(rows.view(2 * M, 2 * h, K), cols.view(2 * M, C, K).mT, out=ws.get("A", q, 2 * M, 2 * h, C))
+    _causal_split(A.view(M, 2, 2, h, C), A_qk.view(M, 2, h, C), A_kk.view(M, 2, h, C))
     # exp(Γ_i) = exp(Γ_i - mid_a) exp(mid_a), exp(Γ_C - Γ_j) = exp(mid_a - Γ_j) exp(Γ_C - mid_a): the
     # second factors are <= 1; where they underflow the true product is below e^(70 - 87)
     e_mid = _exp(torch.cat([tot[:, :, :1] * 0.5, tot[:, :, :1] + 0.5 * tot[:, :, 1:]], 2))
@@ -85,12 +84,13 @@ def halves_local(q, k, v, g, beta, scale: float, A_qk, A_kk, X, ws: Workspace):
     return qg, k_dec.view(M, C, K), _exp(decay.view(M, K))
 
 
-def _mask_acausal(A_qk, A_kk):
-    """Zero A_qk where j > i and A_kk where j >= i ([M, C, C], one contiguous pass each): the diagonal
-    blocks' products there can overflow, so they are overwritten, never multiplied."""
-    above, on_or_above = _masks(A_qk.shape[-1], A_qk.device)
-    A_qk.masked_fill_(above, 0.0)
-    A_kk.masked_fill_(on_or_above, 0.0)
+def _causal_split(A, A_qk, A_kk):
+    """A [M, 2 (half), 2 (q | k rows), h, C] -> A_qk (j <= i), A_kk (j < i) [M, 2, h, C], zero elsewhere.
+    The products above the diagonal can overflow: they are dropped by `where`, never multiplied."""
+    causal, strict = _masks(A.shape[-2], A.device)
+    zero = A.new_zeros(())
+    torch.where(causal, A[:, :, 0], zero, out=A_qk)
+    torch.where(strict, A[:, :, 1], zero, out=A_kk)
 
 
 def _exp(x: torch.Tensor) -> torch.Tensor:
@@ -105,6 +105,7 @@ def _inv_norm(x: torch.Tensor) -> torch.Tensor:
 
 
 @lru_cache(maxsize=16)
-def _masks(n: int, device: torch.device):
-    ones = torch.ones(n, n, dtype=torch.bool, device=device)
-    return ones.triu(1), ones.triu()  # j > i, j >= i
+def _masks(h: int, device: torch.device):
+    """[2, h, 2h] masks in row-half layout: j <= i and j < i (row i = a h + r, column j)."""
+    ones = torch.ones(2 * h, 2 * h, dtype=torch.bool, device=device)
+    return ones.tril().view(2, h, 2 * h), ones.tril(-1).view(2, h, 2 * h)
