@@ -2,6 +2,7 @@
 
     python bench/kda.py                      # B=1, T=4096, H=4, K=V=64, C=64
     python bench/kda.py --md docs/bench_kda.md
+    python bench/kda.py --json out.json      # the numbers, machine-readable (for `k3 bench`)
 
 Reports forward (no grad) and forward+backward wall times (best and median of N), the speedup over
 `transformers.models.kimi_linear.modeling_kimi_linear.chunk_kimi_delta_attention` (its pure-torch path;
@@ -11,6 +12,7 @@ the same run. transformers is a bench-only dependency (`pip install -e '.[bench]
 """
 
 import argparse
+import json
 import os
 import platform
 import statistics
@@ -86,10 +88,12 @@ def main():
     p.add_argument("--hf-reps", type=int, default=2, help="timed calls of the (slow) HF fallback")
     p.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's default)")
     p.add_argument("--md", help="also write the report (markdown) to this path")
+    p.add_argument("--json", help="also write the numbers (JSON) to this path")
     a = p.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
     B, T, H, K, C = a.B, a.T, a.H, a.K, a.chunk
+    load = os.getloadavg()[0]
     inputs = make_inputs(B, T, H, K, K)
     do = torch.randn(B, T, H, K, generator=torch.Generator().manual_seed(1))
     hf = hf_fallback()
@@ -114,7 +118,7 @@ def main():
         f"command: `python {' '.join(sys.argv)}`",
         f"machine: {_cpu_name()}, nproc={os.cpu_count()}, "
         f"torch {torch.__version__} (threads={torch.get_num_threads()}), python {platform.python_version()}, "
-        f"load average {os.getloadavg()[0]:.1f} at the start",
+        f"load average {load:.1f} at the start",
         f"shape: B={B} T={T} H={H} K=V={K} chunk={C}, fp32, gate -5*sigmoid(randn)",
         "",
         "| | k3 chunk_kda | HF torch fallback | speedup |",
@@ -132,6 +136,32 @@ def main():
     if a.md:
         with open(a.md, "w") as f:
             f.write("# KDA chunk benchmark\n\n" + report.replace("\n", "  \n", 3) + "\n")
+    if a.json:
+        ms = lambda t: {"best_ms": t[0] * 1e3, "median_ms": t[1] * 1e3}  # noqa: E731
+        result = {
+            "shape": {"B": B, "T": T, "H": H, "K": K, "V": K, "chunk": C, "dtype": "float32"},
+            "threads": torch.get_num_threads(),
+            "machine": {
+                "cpu": _cpu_name(),
+                "nproc": os.cpu_count(),
+                "torch": torch.__version__,
+                "python": platform.python_version(),
+                "load_average_start": load,
+            },
+            "forward": {"k3": ms(t_fwd), "hf": ms(t_hf_fwd), "speedup": t_hf_fwd[0] / t_fwd[0]},
+            "forward_backward": {"k3": ms(t_fb), "hf": ms(t_hf_fb), "speedup": t_hf_fb[0] / t_fb[0]},
+            "flops_forward": flops,
+            "gflops_forward": gflops,
+            "matmul_peak_gflops": peak,
+            "matmul_peak_size": peak_n,
+            "fraction_of_peak": gflops / peak,
+            "agreement": {
+                "o_rel": rel(o, o_hf),
+                **{f"d{n}_rel": rel(x, y) for n, x, y in zip("qkvgb", grads, grads_hf, strict=True)},
+            },
+        }
+        with open(a.json, "w") as f:
+            json.dump(result, f, indent=2)
 
 
 def _cpu_name() -> str:
