@@ -12,6 +12,7 @@ import torch.nn.functional as F
 import k3.ops.kda.recurrent as recurrent_module
 from k3.ops.kda import chunk_kda, naive_recurrent_kda, recurrent_kda
 from k3.ops.kda.decay import pick_sub_chunk
+from k3.ops.kda.halves import MAX_HALF_DECAY, halves_fit
 
 B, H, K, V = 2, 2, 32, 48
 FWD_TOL, GRAD_TOL = 1e-5, 1e-4
@@ -80,6 +81,22 @@ def test_harsh_and_clamped_gates_stay_finite_and_exact():
     inputs, s0 = make_inputs(150, "harsh")
     assert pick_sub_chunk(inputs[3].transpose(1, 2)[..., :64, :]) < 16  # the fallback is exercised
     for g in (inputs[3], torch.full_like(inputs[3], -5.0), torch.full_like(inputs[3], -100.0)):
+        x = (*inputs[:3], g, inputs[4])
+        o_ref, s_ref = run(naive_recurrent_kda, x, s0)
+        o, s = run(chunk_kda, x, s0)
+        assert_close("o", o, o_ref, FWD_TOL)
+        assert_close("state", s, s_ref, FWD_TOL)
+
+
+def test_halves_forward_path_near_its_decay_limit():
+    """The two-half forward (safe gates) against the sub-chunk fallback (harsher ones), around the limit."""
+    inputs, s0 = make_inputs(130, "safe")
+    chunked = lambda g: g.transpose(1, 2).unflatten(2, (-1, 64))  # noqa: E731  [B, H, NC, 64, K]
+    assert halves_fit(chunked(F.pad(inputs[3], (0, 0, 0, 0, 0, 62))), True, K**-0.5)
+    assert not halves_fit(chunked(F.pad(inputs[3], (0, 0, 0, 0, 0, 62))), False, K**-0.5)
+    for per_token in (-4.3, -4.4):  # half-chunk decays 137.6 (two halves) and 140.8 (fallback)
+        assert halves_fit(torch.full((1, 64, K), per_token), True, 1.0) == (32 * -per_token <= MAX_HALF_DECAY)
+        g = torch.full_like(inputs[3], per_token) + 0.05 * torch.rand_like(inputs[3])
         x = (*inputs[:3], g, inputs[4])
         o_ref, s_ref = run(naive_recurrent_kda, x, s0)
         o, s = run(chunk_kda, x, s0)
