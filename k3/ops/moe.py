@@ -10,8 +10,9 @@ tokens of one optimizer step (all micro-batches).
   on stacked weights w1 [E, I, Dl] (gate), w3 [E, I, Dl] (up), w2 [E, Dl, I] (down). The naive one runs
   every expert on every token and masks (the reference); the grouped one sorts the T·k token-slots by
   expert and runs each expert once on its contiguous slice. Same signature; both accumulate in fp32.
-  `experts_active` (one GLU call for all slots; decode skips the sort) and `experts_padded` (all experts
-  as batched matmuls over a capacity-padded layout) are the inference fast paths; `experts_auto` picks.
+  `experts_active` (one GLU call for all slots; decode skips the sort) is the inference fast path and
+  `experts_auto` (the modules' default) picks it or grouped; `experts_padded` runs all experts as batched
+  matmuls over a capacity-padded layout (for accelerators).
 * `quantile_balance_bias` — Quantile Balancing (SPEC §4.1), the exact single-process form; see docs/moe.md
   for the derivation and the rule for a non-integer target load q = m·k/E.
 * `sign_update_bias` — DeepSeek-V3's auxiliary-loss-free sign update, the ablation alternative.
@@ -151,7 +152,7 @@ def experts_grouped(z, weights, indices, w1, w2, w3, act: GLUFn) -> torch.Tensor
     return out.to(z.dtype)
 
 
-PAD_MAX_RATIO = 1.5  # `experts_padded` only while E·C <= this x T·k (bounds the padding's compute)
+ACTIVE_MAX_ELEMENTS = 1 << 18  # `experts_auto`: one GLU over all slots while [T·k, I] stays this small
 
 
 def experts_active(z, weights, indices, w1, w2, w3, act: GLUFn) -> torch.Tensor:
@@ -203,14 +204,12 @@ def experts_padded(z, weights, indices, w1, w2, w3, act: GLUFn) -> torch.Tensor:
 
     Scatters the slots into a capacity-padded [E, C, Dl] batch (C = the largest expert load) and runs all
     experts at once as three batched matmuls on the stacked weights (no per-expert loop); padding rows
-    are zeros and are never read back. Costs E·C/(T·k) x the useful FLOPs (see PAD_MAX_RATIO).
+    are zeros and are never read back. Costs E·C/(T·k) x the useful FLOPs. Meant for accelerators: on
+    one CPU thread the per-expert paths measured faster (k3-tiny, T = 32..512), so `experts_auto` does
+    not pick it.
     """
     _check_experts(z, weights, indices, w1, w2, w3)
-    return _padded(z, weights, indices, w1, w2, w3, act, _slot_layout(indices, w1.shape[0]))
-
-
-def _padded(z, weights, indices, w1, w2, w3, act, layout) -> torch.Tensor:
-    order, dest, cap = layout
+    order, dest, cap = _slot_layout(indices, w1.shape[0])
     k = indices.shape[1]
     E, _, Dl = w1.shape
     token_of_slot = order // k
@@ -223,17 +222,13 @@ def _padded(z, weights, indices, w1, w2, w3, act, layout) -> torch.Tensor:
 
 
 def experts_auto(z, weights, indices, w1, w2, w3, act: GLUFn) -> torch.Tensor:
-    """The fastest exact path by size and mode (same signature and result as `experts_naive`):
-    with autograd `experts_grouped` (training); without, `experts_padded` while the padding is bounded
-    (E·C <= PAD_MAX_RATIO·T·k, e.g. a long balanced prefill), else `experts_active`."""
+    """The fastest exact path by size and mode (same signature and result as `experts_naive`): with
+    autograd, or when the slots' [T·k, I] activations outgrow ACTIVE_MAX_ELEMENTS, `experts_grouped`
+    (its per-expert GLU stays in cache); otherwise `experts_active` (decode, short prefill chunks)."""
     _check_experts(z, weights, indices, w1, w2, w3)
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (z, weights, w1, w2, w3)):
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (z, weights, w1, w2, w3))
+    if needs_grad or indices.numel() * w1.shape[1] > ACTIVE_MAX_ELEMENTS:
         return experts_grouped(z, weights, indices, w1, w2, w3, act)
-    slots, E = indices.numel(), w1.shape[0]
-    if slots >= E:
-        layout = _slot_layout(indices, E)
-        if E * layout[2] <= PAD_MAX_RATIO * slots:
-            return _padded(z, weights, indices, w1, w2, w3, act, layout)
     return experts_active(z, weights, indices, w1, w2, w3, act)
 
 

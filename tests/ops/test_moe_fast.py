@@ -56,16 +56,14 @@ def test_auto_dispatch(monkeypatch):
     for name in ("experts_grouped", "experts_active"):
         real = getattr(moe, name)
         monkeypatch.setattr(moe, name, lambda *a, _n=name, _f=real: calls.append(_n) or _f(*a))
-    real_padded = moe._padded
-    monkeypatch.setattr(moe, "_padded", lambda *a: calls.append("padded") or real_padded(*a))
+    monkeypatch.setattr(moe, "ACTIVE_MAX_ELEMENTS", 64 * 2 * 16 - 1)  # just below T·k·I of a 64-token case
     z, weights, idx, w = _case(64, 2)
     with torch.no_grad():
-        moe.experts_auto(z, weights, idx, *w, situ_glu)  # 128 slots over 8 experts, nearly even
+        moe.experts_auto(z, weights, idx, *w, situ_glu)  # too many slots for one GLU call
+        moe.experts_auto(z[:63], weights[:63], idx[:63], *w, situ_glu)  # a short prefill chunk
         moe.experts_auto(*_case(1, 2)[:3], *w, situ_glu)  # decode
-        zs, ws, idxs, _ = _case(33, 2, skew=True)
-        moe.experts_auto(zs, ws, idxs, *w, situ_glu)  # expert 0 has all 33 tokens: too much padding
-    moe.experts_auto(z, weights, idx, *[t.requires_grad_() for t in w], situ_glu)  # training
-    assert calls == ["padded", "experts_active", "experts_active", "experts_grouped"]
+    moe.experts_auto(*_case(1, 2)[:3], *[t.requires_grad_() for t in w], situ_glu)  # training
+    assert calls == ["experts_grouped", "experts_active", "experts_active", "experts_grouped"]
 
 
 def test_fast_experts_validate_shapes():
