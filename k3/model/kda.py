@@ -216,18 +216,24 @@ class KimiDeltaAttention(nn.Module):
         w = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight])[:, 0]  # [3C, W]
         qkv = F.silu((window.float() * w.float()).sum(-1))  # [B, 3C] fp32 (the model casts; we keep fp32)
         qkv = qkv.to(dtype).float()  # the reference rounds the conv outputs to the model dtype
-        q, k, v = qkv.view(B, 3, H, K).unbind(1)  # [B, H, K]
+        qk, v = qkv.view(B, 3, H, K).split([2, 1], 1)  # q|k [B, 2, H, K], v [B, 1, H, K]
         state.conv_q, state.conv_k, state.conv_v = (window[:, i * C : (i + 1) * C, 1:] for i in range(3))
         g = kda_gate(
             self.f_b_proj(self.f_a_proj(xt)).view(B, 1, H, K), self.A_log, self.dt_bias, self.lower_bound
         )
         beta = torch.sigmoid(self.b_proj(xt).float())  # [B, H]
-        q = q / torch.sqrt(q.square().sum(-1, keepdim=True) + L2NORM_EPS) * K**-0.5
-        k = k / torch.sqrt(k.square().sum(-1, keepdim=True) + L2NORM_EPS)
+        q, k = (qk / torch.sqrt(qk.square().sum(-1, keepdim=True) + L2NORM_EPS)).unbind(1)  # [B, H, K]
+        q, v = q * K**-0.5, v[:, 0]
         S = state.recurrent.float() * g[:, 0].exp()[..., None]  # [B, H, K, V]
         delta = beta[..., None] * (v - (k[..., None] * S).sum(-2))  # [B, H, V]
         S = S.addcmul(k[..., None], delta[:, :, None, :])
         o = (q[..., None] * S).sum(-2)  # [B, H, V]
         state.recurrent = S
-        o = self.o_norm(o.to(dtype), self._output_gate(xt).view(B, H, K))
+        gate = self._output_gate(xt).view(B, H, K)
+        if type(self.o_norm) is GatedRMSNorm:  # the same normalize-then-gate as one fused norm call
+            w_o = self.o_norm.weight.float()
+            o = F.rms_norm(o.to(dtype).float(), (K,), w_o, self.o_norm.eps) * torch.sigmoid(gate.float())
+            o = o.to(dtype)
+        else:
+            o = self.o_norm(o.to(dtype), gate)
         return self.o_proj(o.reshape(B, 1, C))

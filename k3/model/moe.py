@@ -201,12 +201,20 @@ class LatentMoE(nn.Module):
         z = self.routed_expert_down_proj(x) if self.use_latent_moe else x
         y = self.experts(z, weights, indices)
         if self.routed_expert_norm is not None:
-            y = self.routed_expert_norm(y)
+            y = self._latent_norm(y)
         if self.use_latent_moe:
             y = self.routed_expert_up_proj(y)
         if self.shared_experts is not None:
             y = y + self.shared_experts(x)
         return y.reshape(h.shape)
+
+    def _latent_norm(self, y: torch.Tensor) -> torch.Tensor:
+        """routed_expert_norm(y); an fp32 call without autograd uses torch's fused RMSNorm (same maths
+        as k3.ops.norm.rms_norm in fp32: one op instead of ten on the decode path)."""
+        norm = self.routed_expert_norm
+        if y.dtype == torch.float32 and type(norm) is RMSNorm and not torch.is_grad_enabled():
+            return F.rms_norm(y, (y.shape[-1],), norm.weight.float(), norm.eps)
+        return norm(y)
 
 
 @torch.no_grad()

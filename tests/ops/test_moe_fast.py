@@ -76,3 +76,24 @@ def test_fast_experts_validate_shapes():
     assert torch.equal(
         experts_grouped(z, weights, idx, *w, situ_glu), experts_active(z, weights, idx, *w, situ_glu)
     )
+
+
+@pytest.mark.parametrize("T", [1, 7])
+def test_latent_moe_inference_matches_training_path(T):
+    from k3.config import preset
+    from k3.model.moe import LatentMoE
+
+    torch.manual_seed(3)
+    layer = LatentMoE(preset("k3-nano")).eval()
+    for p in layer.parameters():
+        torch.nn.init.normal_(p, 0.0, 0.3)
+    h = torch.randn(1, T, layer.gate.weight.shape[1])
+    ref = layer(h)  # grad enabled: grouped experts and the plain RMSNorm
+    layer.experts.impl = "naive"
+    with torch.no_grad():
+        naive = layer(h)
+    layer.experts.impl = "auto"
+    with torch.no_grad():
+        fast = layer(h)  # experts_active and the fused norm
+    torch.testing.assert_close(fast, ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(fast, naive, rtol=1e-5, atol=1e-5)
