@@ -12,7 +12,6 @@ the same run. transformers is a bench-only dependency (`pip install -e '.[bench]
 """
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -21,6 +20,7 @@ import time
 
 import torch
 
+from k3.benchmark.result import figure, write_result
 from k3.ops.kda import chunk_kda
 
 
@@ -137,31 +137,34 @@ def main():
         with open(a.md, "w") as f:
             f.write("# KDA chunk benchmark\n\n" + report.replace("\n", "  \n", 3) + "\n")
     if a.json:
-        ms = lambda t: {"best_ms": t[0] * 1e3, "median_ms": t[1] * 1e3}  # noqa: E731
-        result = {
-            "shape": {"B": B, "T": T, "H": H, "K": K, "V": K, "chunk": C, "dtype": "float32"},
-            "threads": torch.get_num_threads(),
-            "machine": {
-                "cpu": _cpu_name(),
-                "nproc": os.cpu_count(),
-                "torch": torch.__version__,
-                "python": platform.python_version(),
-                "load_average_start": load,
-            },
-            "forward": {"k3": ms(t_fwd), "hf": ms(t_hf_fwd), "speedup": t_hf_fwd[0] / t_fwd[0]},
-            "forward_backward": {"k3": ms(t_fb), "hf": ms(t_hf_fb), "speedup": t_hf_fb[0] / t_fb[0]},
-            "flops_forward": flops,
-            "gflops_forward": gflops,
-            "matmul_peak_gflops": peak,
-            "matmul_peak_size": peak_n,
-            "fraction_of_peak": gflops / peak,
-            "agreement": {
-                "o_rel": rel(o, o_hf),
-                **{f"d{n}_rel": rel(x, y) for n, x, y in zip("qkvgb", grads, grads_hf, strict=True)},
-            },
-        }
-        with open(a.json, "w") as f:
-            json.dump(result, f, indent=2)
+        agreement = {"o_rel": rel(o, o_hf)}
+        agreement |= {f"d{n}_rel": rel(x, y) for n, x, y in zip("qkvgb", grads, grads_hf, strict=True)}
+        times = (t_fwd, t_hf_fwd, t_fb, t_hf_fb)
+        write_json(a.json, a, times, flops, gflops, (peak, peak_n), load, agreement)
+
+
+def write_json(path, a, times, flops, gflops, peak, load, agreement) -> None:
+    """The k3 bench result: speedups vs the HF fallback (goal >= 20x) and the fraction of the matmul
+    peak (goal >= 25 %) as figures, the raw timings and the agreement beside them."""
+    t_fwd, t_hf_fwd, t_fb, t_hf_fb = times
+    shape = f"B={a.B} T={a.T} H={a.H} K=V={a.K}, fp32"
+    ms = lambda t: {"best_ms": t[0] * 1e3, "median_ms": t[1] * 1e3}  # noqa: E731
+    figures = [
+        figure(f"chunk_kda forward ({shape})", t_fwd[0] * 1e3, "ms", peer="HF kimi_linear torch fallback",
+               peer_value=t_hf_fwd[0] * 1e3, ratio=t_hf_fwd[0] / t_fwd[0], goal=20.0),
+        figure("chunk_kda forward + backward", t_fb[0] * 1e3, "ms", peer="HF kimi_linear torch fallback",
+               peer_value=t_hf_fb[0] * 1e3, ratio=t_hf_fb[0] / t_fb[0], goal=20.0),
+        figure("chunk_kda forward GFLOP/s (6Td^2 + 3TCd + TC^2 per head)", gflops, "GFLOP/s",
+               peer=f"fp32 torch.matmul peak ({peak[1]}x{peak[1]})", peer_value=peak[0],
+               ratio=gflops / peak[0], goal=0.25),
+    ]  # fmt: skip
+    params = {"B": a.B, "T": a.T, "H": a.H, "K": a.K, "V": a.K, "chunk": a.chunk, "dtype": "float32",
+              "threads": torch.get_num_threads()}  # fmt: skip
+    machine = {"cpu": _cpu_name(), "nproc": os.cpu_count(), "torch": torch.__version__,
+               "python": platform.python_version(), "load_average_start": load}  # fmt: skip
+    write_result(path, "kda", figures, params, machine=machine, flops_forward=flops,
+                 forward={"k3": ms(t_fwd), "hf": ms(t_hf_fwd)},
+                 forward_backward={"k3": ms(t_fb), "hf": ms(t_hf_fb)}, agreement=agreement)  # fmt: skip
 
 
 def _cpu_name() -> str:

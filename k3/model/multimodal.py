@@ -97,9 +97,22 @@ class K3VLForCausalLM(nn.Module):
         return self.language_model(inputs_embeds=e, labels=labels, **kwargs)
 
 
-def init_vl_weights(model: K3VLForCausalLM, seed: int | None = None) -> None:
-    """The text model's init table (k3.model.init) plus `init_vision_weights` for tower and projector."""
+def init_vl_weights(
+    model: K3VLForCausalLM, seed: int | None = None, projector_norm_init: float = 1.0
+) -> None:
+    """The text model's init table (k3.model.init) plus `init_vision_weights` for tower and projector.
+
+    projector_norm_init: the starting value of `mm_projector.post_norm.weight` [D]. With 1.0 the image
+    tokens enter the LM at RMS 1 while text embeddings sit at RMS `initializer_range` (0.02): in the
+    AttnRes depth mixtures the raw image embedding then dominates every layer's output at image positions
+    and the tower's gradients shrink; a small value (0.1, the train_vl default) puts both on a comparable
+    scale [C: the release does not say how its projector was initialised; docs/vision.md].
+    """
+    if not (projector_norm_init > 0 and projector_norm_init == projector_norm_init):
+        raise ValueError(f"projector_norm_init must be > 0, got {projector_norm_init!r}")
     text = model.config.text
     init_weights(model.language_model, text.initializer_range, text.num_hidden_layers, seed=seed)
     init_vision_weights(model.vision_tower, text.initializer_range)
     init_vision_weights(model.mm_projector, text.initializer_range)
+    with torch.no_grad():
+        model.mm_projector.post_norm.weight.fill_(projector_norm_init)

@@ -161,7 +161,7 @@ def train(args) -> dict:
         config = vl_preset(args.preset)
         tok = train_tokenizer(task_texts(), vocab_size=config.text.vocab_size)
         model = K3VLForCausalLM(config)
-        init_vl_weights(model, seed=args.seed)
+        init_vl_weights(model, seed=args.seed, projector_norm_init=args.projector_norm_init)
     n_params = sum(p.numel() for p in model.parameters())
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=args.wd)
     sampler = Sampler(args.seed, args.data, args.caption_frac, args.skip)
@@ -190,7 +190,8 @@ def train(args) -> dict:
             log.append(rec)
     result = evaluate(model, tok, config, heldout)
     result |= {"preset": args.preset, "steps": args.steps, "batch": args.batch, "train_s": time.time() - t0,
-               "init": args.init, "skip": args.skip, "lr": args.lr}  # fmt: skip
+               "init": args.init, "skip": args.skip, "lr": args.lr,
+               "projector_norm_init": args.projector_norm_init}  # fmt: skip
     print(json.dumps(result), flush=True)
     if args.out:
         from k3.vision.checkpoint import save_vl_checkpoint
@@ -213,6 +214,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--wd", type=float, default=0.0)
     p.add_argument("--warmup", type=int, default=100)
     p.add_argument("--caption-frac", type=float, default=0.15)
+    p.add_argument(
+        "--projector-norm-init",
+        type=float,
+        default=0.1,
+        help="initial mm_projector.post_norm weight: the image tokens' starting RMS (text embeddings: 0.02)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--eval-n", type=int, default=400)
@@ -226,6 +233,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.steps <= 0 or args.batch <= 0 or not math.isfinite(args.lr) or args.lr <= 0:
         p.error("--steps, --batch and --lr must be positive")
+    if not (math.isfinite(args.projector_norm_init) and args.projector_norm_init > 0):
+        p.error(f"--projector-norm-init must be a positive number, got {args.projector_norm_init}")
     return args
 
 

@@ -137,3 +137,18 @@ def test_state_dict_names_are_official(model):
     assert "vision_tower.encoder.blocks.0.wqkv.weight" in names
     assert "mm_projector.proj.2.weight" in names and "mm_projector.post_norm.weight" in names
     assert "language_model.model.embed_tokens.weight" in names and "language_model.lm_head.weight" in names
+
+
+def test_projector_norm_init_sets_image_token_scale():
+    """The post_norm start value is the RMS of every projected image token (RMSNorm output x weight)."""
+    cfg = vl_preset("k3-tiny-vl")
+    m = K3VLForCausalLM(cfg)
+    init_vl_weights(m, seed=0, projector_norm_init=0.1)
+    assert torch.equal(m.mm_projector.post_norm.weight, torch.full_like(m.mm_projector.post_norm.weight, 0.1))
+    img = preprocess_image(Image.new("RGB", (90, 60), (200, 30, 30)), cfg.media)
+    with torch.no_grad():
+        emb = m.image_embeddings(*batch_images([img]))
+    rms = emb.pow(2).mean(-1).sqrt()
+    assert torch.allclose(rms, torch.full_like(rms, 0.1), rtol=1e-2)  # eps 1e-5 in the norm
+    with pytest.raises(ValueError, match="projector_norm_init"):
+        init_vl_weights(m, projector_norm_init=0.0)
