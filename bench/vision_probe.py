@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from k3.model.moe import update_router_biases
 from k3.model.multimodal import K3VLForCausalLM, init_vl_weights
+from k3.model.transformer import IGNORE_INDEX
 from k3.optim.schedule import warmup_cosine
 from k3.tokenizer import train_tokenizer
 from k3.vision import synthetic
@@ -67,7 +68,7 @@ def main(argv=None) -> None:
     log, i, t0 = [], 0, time.time()
     for step in range(a.steps):
         for g in opt.param_groups:
-            g["lr"] = a.lr * warmup_cosine(step, a.steps, 30, min_ratio=0.05)
+            g["lr"] = a.lr * warmup_cosine(step, a.steps, min(30, a.steps), min_ratio=0.05)
         batch = []
         for _ in range(a.batch):
             ex = synthetic.example("train", a.seed, i, kinds)
@@ -76,7 +77,7 @@ def main(argv=None) -> None:
         b = T.collate(batch, tok.pad_id)
         out = model(**b)
         rows = torch.arange(a.batch)
-        first = (b["labels"] != -100).int().argmax(1)  # the first supervised position of each row
+        first = (b["labels"] != IGNORE_INDEX).int().argmax(1)  # the first supervised position of each row
         ce1 = F.cross_entropy(out.logits[rows, first], b["labels"][rows, first])
         opt.zero_grad(set_to_none=True)
         out.loss.backward()

@@ -13,6 +13,8 @@ the images raises ValueError. Module names are the checkpoint prefixes `vision_t
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
@@ -108,8 +110,8 @@ def init_vl_weights(
     and the tower's gradients shrink; a small value (0.1, the train_vl default) puts both on a comparable
     scale [C: the release does not say how its projector was initialised; docs/vision.md].
     """
-    if not (projector_norm_init > 0 and projector_norm_init == projector_norm_init):
-        raise ValueError(f"projector_norm_init must be > 0, got {projector_norm_init!r}")
+    if not (math.isfinite(projector_norm_init) and projector_norm_init > 0):
+        raise ValueError(f"projector_norm_init must be a finite number > 0, got {projector_norm_init!r}")
     text = model.config.text
     init_weights(model.language_model, text.initializer_range, text.num_hidden_layers, seed=seed)
     init_vision_weights(model.vision_tower, text.initializer_range)
