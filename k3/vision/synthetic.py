@@ -116,9 +116,9 @@ def _plural(shape: str, n: int) -> str:
     return shape if n == 1 else shape + "s"
 
 
-def _colour_scene(rng: random.Random) -> Example:
+def _colour_scene(rng: random.Random, max_shapes: int = 3) -> Example:
     img = _canvas(rng)
-    n = rng.randint(1, 3)
+    n = rng.randint(1, max_shapes)
     shapes, colours = rng.sample(SHAPES, n), rng.sample(sorted(COLOURS), n)
     boxes = _place(rng, img.width, img.height, n, 0.25, 0.4)
     items = [Item(s, c, *b) for s, c, b in zip(shapes, colours, boxes, strict=True)]
@@ -211,17 +211,32 @@ def _digit_scene(rng: random.Random) -> Example:
 _SCENES = {"colour": _colour_scene, "count": _count_scene, "position": _position_scene, "digit": _digit_scene}
 
 
-def example(split: str, seed: int, index: int, kinds: tuple[str, ...] = KINDS) -> Example:
-    """The index-th example of a split (deterministic in (split, seed, index, kinds))."""
-    if split not in SPLITS:
-        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+def check_kinds(kinds: tuple[str, ...], max_shapes: int = 3) -> None:
+    """ValueError naming the bad value unless kinds is a non-empty subset of KINDS and max_shapes in 1..3."""
     bad = [k for k in kinds if k not in _SCENES]
     if not kinds or bad:
         raise ValueError(f"kinds must be a non-empty subset of {KINDS}, got {kinds!r}")
+    if not (isinstance(max_shapes, int) and 1 <= max_shapes <= len(SHAPES)):
+        raise ValueError(f"max_shapes must be an integer in 1..{len(SHAPES)}, got {max_shapes!r}")
+
+
+def example(
+    split: str, seed: int, index: int, kinds: tuple[str, ...] = KINDS, max_shapes: int = 3
+) -> Example:
+    """The index-th example of a split (deterministic in (split, seed, index, kinds, max_shapes)).
+
+    max_shapes caps the shapes of a colour scene (1 makes the answer the image's only colour: the
+    pathway check of bench/vision_probe.py); the other kinds ignore it."""
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+    check_kinds(kinds, max_shapes)
     rng = random.Random(f"k3-vision-synthetic|{split}|{seed}|{index}")
-    return _SCENES[kinds[index % len(kinds)]](rng)
+    kind = kinds[index % len(kinds)]
+    return _colour_scene(rng, max_shapes) if kind == "colour" else _SCENES[kind](rng)
 
 
-def examples(split: str, seed: int, n: int, start: int = 0, kinds: tuple[str, ...] = KINDS) -> list[Example]:
+def examples(
+    split: str, seed: int, n: int, start: int = 0, kinds: tuple[str, ...] = KINDS, max_shapes: int = 3
+) -> list[Example]:
     """Examples start .. start+n-1 of a split; the kinds cycle, so every kind is equally represented."""
-    return [example(split, seed, i, kinds) for i in range(start, start + n)]
+    return [example(split, seed, i, kinds, max_shapes) for i in range(start, start + n)]

@@ -86,9 +86,18 @@ def task_texts(n: int = 2000) -> list[str]:
 class Sampler:
     """Training examples: the synthetic stream (endless) or a `--data` folder (cycled)."""
 
-    def __init__(self, seed: int, data: str | None, caption_frac: float, skip: int = 0):
+    def __init__(
+        self,
+        seed: int,
+        data: str | None,
+        caption_frac: float,
+        skip: int = 0,
+        kinds: tuple[str, ...] = synthetic.KINDS,
+        max_shapes: int = 3,
+    ):
         self.rng = random.Random(seed + skip)
         self.seed, self.caption_frac, self.i = seed, caption_frac, skip
+        self.kinds, self.max_shapes = kinds, max_shapes
         self.rows = None
         if data:
             from k3.vision.data import load_folder
@@ -101,7 +110,7 @@ class Sampler:
         if self.rows is not None:
             ex = self.rows[self.i % len(self.rows)]
         else:
-            ex = synthetic.example("train", self.seed, self.i)
+            ex = synthetic.example("train", self.seed, self.i, self.kinds, self.max_shapes)
         self.i += 1
         if ex.caption and ex.kind != "caption" and self.rng.random() < self.caption_frac:
             return synthetic.Example(ex.image, ex.caption, CAPTION_QUESTION, ex.caption, "caption")
@@ -146,10 +155,14 @@ def heldout_examples(args) -> list[synthetic.Example]:
         from k3.vision.data import load_folder
 
         return list(load_folder(args.data, "heldout"))[: args.eval_n]
-    return synthetic.examples("heldout", args.seed, args.eval_n)
+    return synthetic.examples("heldout", args.seed, args.eval_n, kinds=args.kinds, max_shapes=args.max_shapes)
 
 
-def train(args) -> dict:
+def train(args, on_step=None) -> dict:
+    """Train as `args` says (see `parse_args`); returns the final held-out evaluation.
+
+    on_step(step, model, batch, out): called after each backward, before clipping and the optimizer step
+    (gradients in place; batch is `collate`'s dict, out the model output) -- for probes that log more."""
     torch.manual_seed(args.seed)
     torch.set_num_threads(args.threads)
     if args.init:  # continue from a checkpoint of this loop (its weights and tokenizer)
@@ -164,7 +177,7 @@ def train(args) -> dict:
         init_vl_weights(model, seed=args.seed, projector_norm_init=args.projector_norm_init)
     n_params = sum(p.numel() for p in model.parameters())
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=args.wd)
-    sampler = Sampler(args.seed, args.data, args.caption_frac, args.skip)
+    sampler = Sampler(args.seed, args.data, args.caption_frac, args.skip, args.kinds, args.max_shapes)
     heldout = heldout_examples(args)
     log, t0 = [], time.time()
     print(f"{args.preset}: {n_params:,} parameters; {args.steps} steps x {args.batch}", flush=True)
@@ -172,13 +185,17 @@ def train(args) -> dict:
         lr = args.lr * warmup_cosine(step, args.steps, min(args.warmup, args.steps), min_ratio=0.05)
         for g in opt.param_groups:
             g["lr"] = lr
-        batch = []
+        rows = []
         for _ in range(args.batch):
             ex = sampler.next()
-            batch.append(encode_example(tok, config, ex.question, ex.answer, ex.image))
-        loss = model(**collate(batch, tok.pad_id)).loss
+            rows.append(encode_example(tok, config, ex.question, ex.answer, ex.image))
+        batch = collate(rows, tok.pad_id)
+        out = model(**batch)
+        loss = out.loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
+        if on_step is not None:
+            on_step(step, model, batch, out)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         update_router_biases(model)
@@ -191,7 +208,8 @@ def train(args) -> dict:
     result = evaluate(model, tok, config, heldout)
     result |= {"preset": args.preset, "steps": args.steps, "batch": args.batch, "train_s": time.time() - t0,
                "init": args.init, "skip": args.skip, "lr": args.lr,
-               "projector_norm_init": args.projector_norm_init}  # fmt: skip
+               "projector_norm_init": args.projector_norm_init, "kinds": list(args.kinds),
+               "max_shapes": args.max_shapes}  # fmt: skip
     print(json.dumps(result), flush=True)
     if args.out:
         from k3.vision.checkpoint import save_vl_checkpoint
@@ -220,6 +238,14 @@ def parse_args(argv=None) -> argparse.Namespace:
         default=0.1,
         help="initial mm_projector.post_norm weight: the image tokens' starting RMS (text embeddings: 0.02)",
     )
+    p.add_argument(
+        "--kinds",
+        default=",".join(synthetic.KINDS),
+        help="comma-separated question kinds of the synthetic task to train and evaluate on",
+    )
+    p.add_argument(
+        "--max-shapes", type=int, default=3, help="most shapes in a colour scene (1..3; 1: one colour)"
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--eval-n", type=int, default=400)
@@ -235,6 +261,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--steps, --batch and --lr must be positive")
     if not (math.isfinite(args.projector_norm_init) and args.projector_norm_init > 0):
         p.error(f"--projector-norm-init must be a positive number, got {args.projector_norm_init}")
+    args.kinds = tuple(k.strip() for k in args.kinds.split(",") if k.strip())
+    try:
+        synthetic.check_kinds(args.kinds, args.max_shapes)
+    except ValueError as e:
+        p.error(f"--kinds / --max-shapes: {e}")
     return args
 
 
