@@ -11,7 +11,7 @@ Question kinds (`KINDS`):
     position  one shape near the left/right/top/bottom    "where is the triangle?"      -> "left"
     digit     one digit in one of FONTS, at varied size   "what digit is shown?"        -> "7"
 
-Images have independent widths and heights in [MIN_SIDE, MAX_SIDE] (aspect ratios up to 3:1), a light
+Images have independent widths and heights in [MIN_SIDE, MAX_SIDE] (aspect ratios up to 2.5:1), a light
 random background, and shapes sized relative to the image. Digits use Pillow's built-in fonts only
 (the FreeType default font at several sizes, a stroked "bold" variant, a sheared "italic" variant and the
 bitmap default font upscaled, "pixel"), so the task does not depend on the fonts of a machine.
@@ -40,7 +40,7 @@ POSITIONS = ("left", "right", "top", "bottom")
 FONTS = ("regular", "bold", "italic", "pixel")
 KINDS = ("colour", "count", "position", "digit")
 SPLITS = ("train", "heldout")
-MIN_SIDE, MAX_SIDE = 70, 210
+MIN_SIDE, MAX_SIDE = 128, 320  # shapes span several 14-px patches (docs/vision.md "Image sizes")
 MAX_COUNT = 4
 
 
