@@ -63,36 +63,11 @@ def main(argv=None) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", help="write the log and the accuracy here")
     a = p.parse_args(argv)
-    args = T.parse_args(
-        [
-            "--kinds",
-            a.kinds,
-            "--max-shapes",
-            str(a.max_shapes),
-            "--steps",
-            str(a.steps),
-            "--batch",
-            str(a.batch),
-            "--lr",
-            str(a.lr),
-            "--projector-norm-init",
-            str(a.projector_norm_init),
-            "--seed",
-            str(a.seed),
-            "--threads",
-            "1",
-            "--warmup",
-            "30",
-            "--eval-n",
-            "64",
-            "--eval-every",
-            "0",
-            "--log-every",
-            str(10**9),
-            "--caption-frac",
-            "0",
-        ]  # fmt: skip
-    )
+    flags = {"--kinds": a.kinds, "--max-shapes": a.max_shapes, "--steps": a.steps, "--batch": a.batch,
+             "--lr": a.lr, "--projector-norm-init": a.projector_norm_init, "--seed": a.seed, "--threads": 1,
+             "--warmup": 30, "--eval-n": 64, "--eval-every": 0, "--log-every": 10**9,
+             "--caption-frac": 0}  # fmt: skip
+    args = T.parse_args([x for flag, value in flags.items() for x in (flag, str(value))])
     hook = StepLog(25, a.steps)
     res = T.train(args, on_step=hook)
     if a.json:

@@ -55,6 +55,32 @@ def _blobs(mask: np.ndarray) -> int:
     return n
 
 
+def _colours_in(img: Image.Image) -> set[str]:
+    return {name for name in COLOURS if _colour_pixels(img, name).sum() > 20}
+
+
+def test_max_shapes_one_gives_single_colour_scenes():
+    exs = synthetic.examples("train", 0, 12, kinds=("colour",), max_shapes=1)
+    assert all(e.kind == "colour" for e in exs)
+    assert all(_colours_in(e.image) == {e.answer} for e in exs)
+    many = synthetic.examples("train", 0, 30, kinds=("colour",))
+    assert max(len(_colours_in(e.image)) for e in many) > 1  # the default still draws up to three
+
+
+@pytest.mark.parametrize(
+    "kinds, max_shapes, match",
+    [
+        ((), 3, "kinds"),
+        (("colour", "smell"), 3, "kinds"),
+        (("colour",), 0, "max_shapes"),
+        (("colour",), 4, "max_shapes"),
+    ],  # fmt: skip
+)
+def test_bad_kinds_or_max_shapes(kinds, max_shapes, match):
+    with pytest.raises(ValueError, match=match):
+        synthetic.example("train", 0, 0, kinds, max_shapes)
+
+
 def test_answers_correct_by_construction():
     for e in examples("heldout", 1, 48):
         if e.kind == "colour":

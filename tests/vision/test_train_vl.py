@@ -1,37 +1,9 @@
-"""The VL training loop: kinds / max_shapes options, the step hook, a short run end to end."""
+"""The VL training loop: the --kinds / --max-shapes flags, the step hook, a short run end to end."""
 
 import numpy as np
 import pytest
 
-from k3.vision import synthetic
 from k3.vision import train_vl as T
-
-
-def _colours_in(img) -> set[str]:
-    a = np.asarray(img.convert("RGB")).astype(int)
-    return {n for n, c in synthetic.COLOURS.items() if (np.abs(a - np.array(c)).sum(-1) < 30).sum() > 20}
-
-
-def test_max_shapes_one_gives_single_colour_scenes():
-    exs = synthetic.examples("train", 0, 12, kinds=("colour",), max_shapes=1)
-    assert all(e.kind == "colour" for e in exs)
-    assert all(_colours_in(e.image) == {e.answer} for e in exs)
-    many = synthetic.examples("train", 0, 30, kinds=("colour",))
-    assert max(len(_colours_in(e.image)) for e in many) > 1  # the default still draws up to three
-
-
-@pytest.mark.parametrize(
-    "kinds, max_shapes, match",
-    [
-        ((), 3, "kinds"),
-        (("colour", "smell"), 3, "kinds"),
-        (("colour",), 0, "max_shapes"),
-        (("colour",), 4, "max_shapes"),
-    ],  # fmt: skip
-)
-def test_bad_kinds_or_max_shapes(kinds, max_shapes, match):
-    with pytest.raises(ValueError, match=match):
-        synthetic.example("train", 0, 0, kinds, max_shapes)
 
 
 def test_parse_args_names_bad_kinds(capsys):
