@@ -274,6 +274,13 @@ class K3Config:
         """A copy with some fields changed (validated again)."""
         return dataclasses.replace(self, **changes)
 
+    def with_layers(self, num_layers: int) -> K3Config:
+        """A copy with `num_layers` layers in the preset pattern (3:1 KDA:MLA, the last layer MLA)."""
+        _positive_int(num_layers, "num_hidden_layers")
+        full, kda = layer_pattern(num_layers)
+        la = dataclasses.replace(self.linear_attn_config, full_attn_layers=tuple(full), kda_layers=tuple(kda))
+        return self.replace(num_hidden_layers=num_layers, linear_attn_config=la)
+
     # ---- HF JSON -------------------------------------------------------------------------------
     @classmethod
     def from_hf(cls, d: dict) -> K3Config:
@@ -343,7 +350,7 @@ class K3Config:
 
 
 # ---- presets -------------------------------------------------------------------------------------
-def _pattern(num_layers: int) -> tuple[list[int], list[int]]:
+def layer_pattern(num_layers: int) -> tuple[list[int], list[int]]:
     """3:1 KDA:MLA, every 4th layer MLA, and the last layer always MLA (as in the release)."""
     full = [i for i in range(4, num_layers + 1, 4)]
     if num_layers not in full:
@@ -373,7 +380,7 @@ def _small_preset(
     dense_inter: int,
     block: int,
 ) -> K3Config:
-    full, kda = _pattern(layers)
+    full, kda = layer_pattern(layers)
     la = LinearAttnConfig(
         num_heads=kda_heads, head_dim=kda_dim, full_attn_layers=tuple(full), kda_layers=tuple(kda)
     )

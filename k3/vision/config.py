@@ -142,6 +142,13 @@ class VisionConfig:
     def replace(self, **changes: Any) -> VisionConfig:
         return dataclasses.replace(self, **changes)
 
+    def with_width(self, width: int) -> VisionConfig:
+        """A copy `width` wide (hidden, qkv and merger width; MLP 3x; same heads): tower-size ablations."""
+        _positive(width, "vt_hidden_size")
+        return self.replace(
+            vt_hidden_size=width, vt_intermediate_size=3 * width, qkv_hidden_size=width, mm_hidden_size=width
+        )
+
     def to_hf(self) -> dict:
         d = copy.deepcopy(self.extra)
         for f in dataclasses.fields(self):

@@ -15,11 +15,11 @@ for the caption instead (`describe the image.`), trained but not scored.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import random
 import time
-from dataclasses import dataclass
 
 import torch
 
@@ -38,7 +38,7 @@ CAPTION_QUESTION = "describe the image."
 CHAT = ChatOptions(thinking=False)
 
 
-@dataclass
+@dataclasses.dataclass
 class Encoded:
     ids: list[int]
     prompt_len: int  # ids[:prompt_len] is the generation prompt
@@ -150,12 +150,23 @@ def evaluate(model, tok, config, examples: list[synthetic.Example]) -> dict:
     return {"accuracy": total, "per_kind": per_kind, "n": len(examples)}
 
 
+def build_config(args) -> K3VLConfig:
+    """The VL preset, with `--lm-layers` / `--tower-width` applied when given (size ablations)."""
+    config = vl_preset(args.preset)
+    if args.lm_layers:
+        config = dataclasses.replace(config, text=config.text.with_layers(args.lm_layers))
+    if args.tower_width:
+        config = dataclasses.replace(config, vision=config.vision.with_width(args.tower_width))
+    return config
+
+
 def heldout_examples(args) -> list[synthetic.Example]:
     if args.data:
         from k3.vision.data import load_folder
 
         return list(load_folder(args.data, "heldout"))[: args.eval_n]
-    return synthetic.examples("heldout", args.seed, args.eval_n, kinds=args.kinds, max_shapes=args.max_shapes)
+    kinds = tuple(dict.fromkeys(args.kinds))  # a kind repeated in --kinds trains more, evaluates once
+    return synthetic.examples("heldout", args.seed, args.eval_n, kinds=kinds, max_shapes=args.max_shapes)
 
 
 def train(args, on_step=None) -> dict:
@@ -171,7 +182,7 @@ def train(args, on_step=None) -> dict:
         model, tok = load_vl_checkpoint(args.init), K3Tokenizer.from_dir(args.init)
         config = model.config
     else:
-        config = vl_preset(args.preset)
+        config = build_config(args)
         tok = train_tokenizer(task_texts(), vocab_size=config.text.vocab_size)
         model = K3VLForCausalLM(config)
         init_vl_weights(model, seed=args.seed, projector_norm_init=args.projector_norm_init)
@@ -209,7 +220,8 @@ def train(args, on_step=None) -> dict:
     result |= {"preset": args.preset, "steps": args.steps, "batch": args.batch, "train_s": time.time() - t0,
                "init": args.init, "skip": args.skip, "lr": args.lr,
                "projector_norm_init": args.projector_norm_init, "kinds": list(args.kinds),
-               "max_shapes": args.max_shapes}  # fmt: skip
+               "max_shapes": args.max_shapes, "lm_layers": config.text.num_hidden_layers,
+               "tower_width": config.vision.vt_hidden_size}  # fmt: skip
     print(json.dumps(result), flush=True)
     if args.out:
         from k3.vision.checkpoint import save_vl_checkpoint
@@ -241,11 +253,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--kinds",
         default=",".join(synthetic.KINDS),
-        help="comma-separated question kinds of the synthetic task to train and evaluate on",
+        help="comma-separated question kinds of the synthetic task to train and evaluate on; a kind "
+        "named twice is drawn twice as often in training (held-out evaluation weighs kinds equally)",
     )
     p.add_argument(
         "--max-shapes", type=int, default=3, help="most shapes in a colour scene (1..3; 1: one colour)"
     )
+    p.add_argument(
+        "--lm-layers", type=int, default=None, help="text layers (3:1 KDA:MLA; default: the preset's)"
+    )
+    p.add_argument("--tower-width", type=int, default=None, help="vision tower width (default: the preset's)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--eval-n", type=int, default=400)
@@ -261,6 +278,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--steps, --batch and --lr must be positive")
     if not (math.isfinite(args.projector_norm_init) and args.projector_norm_init > 0):
         p.error(f"--projector-norm-init must be a positive number, got {args.projector_norm_init}")
+    for flag in ("lm_layers", "tower_width"):
+        if getattr(args, flag) is not None and getattr(args, flag) <= 0:
+            p.error(f"--{flag.replace('_', '-')} must be a positive integer, got {getattr(args, flag)}")
+    if (args.lm_layers or args.tower_width) and args.init:
+        p.error("--lm-layers / --tower-width size a new model; --init continues a checkpoint as it is")
     args.kinds = tuple(k.strip() for k in args.kinds.split(",") if k.strip())
     try:
         synthetic.check_kinds(args.kinds, args.max_shapes)

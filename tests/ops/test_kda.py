@@ -13,6 +13,7 @@ import k3.ops.kda.recurrent as recurrent_module
 from k3.ops.kda import chunk_kda, naive_recurrent_kda, recurrent_kda
 from k3.ops.kda.decay import pick_sub_chunk
 from k3.ops.kda.halves import MAX_HALF_DECAY, halves_fit
+from k3.ops.kda.solve import unit_lower_solve_, unit_lower_solve_ref
 
 B, H, K, V = 2, 2, 32, 48
 FWD_TOL, GRAD_TOL = 1e-5, 1e-4
@@ -279,3 +280,22 @@ def test_many_small_groups_match(monkeypatch):
     got = grads_of(chunk_kda, inputs, s0, do, ds, cu_seqlens=cu, chunk_size=32)
     for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), got, ref, strict=True):
         assert_close(name, a, b, 1e-6)
+
+
+@pytest.mark.parametrize("C", [16, 64, 128, 15])
+@pytest.mark.parametrize("transpose", [False, True])
+def test_blocked_unit_lower_solve_matches_the_one_call_solve(C, transpose):
+    g = torch.Generator().manual_seed(C)
+    A = torch.randn(6, C, C, generator=g, dtype=torch.float64).tril(-1) * 0.3
+    A = A + torch.randn(6, C, C, generator=g, dtype=torch.float64).triu() * 9  # must be ignored
+    R = torch.randn(6, C, 40, generator=g, dtype=torch.float64)
+    I_A = torch.eye(C, dtype=torch.float64) + A.tril(-1)
+    want = torch.linalg.solve(I_A.mT if transpose else I_A, R)
+    X = unit_lower_solve_(A, R.clone(), transpose)
+    torch.testing.assert_close(X, want, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(unit_lower_solve_ref(A, R.clone(), transpose), want, rtol=1e-10, atol=1e-10)
+    # in place on a column slice of a wider buffer, as chunk_kda calls it ([U | W] share one tensor)
+    buf = torch.randn(6, C, 50, generator=g, dtype=torch.float64)
+    buf[..., 10:] = R
+    unit_lower_solve_(A, buf[..., 10:], transpose)
+    torch.testing.assert_close(buf[..., 10:], want, rtol=1e-10, atol=1e-10)

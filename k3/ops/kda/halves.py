@@ -26,6 +26,7 @@ import torch
 
 from k3.ops.kda.prep import L2NORM_EPS
 from k3.ops.kda.scratch import Workspace
+from k3.ops.kda.solve import unit_lower_solve_
 
 MAX_HALF_DECAY = 140.0  # factors >= e^-70 keep q, k components down to ~e^-17 of the largest normal
 EXP_FLOOR = -87.0  # e^-87 ~ 1.6e-38 is still a normal fp32 number
@@ -79,8 +80,7 @@ def halves_local(q, k, v, g, beta, scale: float, A_qk, A_kk, X, ws: Workspace):
     k_dec = buf("k_dec", 2, h, K)
     for a in range(2):
         torch.mul(cols[:, :, a, a], e_tail[:, :, a], out=k_dec[:, :, a])
-    # X^T (I + A_kk)^T = R^T, in place: the layout LAPACK takes without copies
-    torch.linalg.solve_triangular(A_kk.mT, X.mT, upper=True, left=False, unitriangular=True, out=X.mT)
+    unit_lower_solve_(A_kk, X)  # X = (I + A_kk)^-1 R, in place
     return qg, k_dec.view(M, C, K), _exp(decay.view(M, K))
 
 

@@ -23,6 +23,7 @@ import torch
 from k3.ops.kda.decay import DecayFactors, decay_factors, decay_factors_backward
 from k3.ops.kda.prep import L2NORM_EPS
 from k3.ops.kda.scratch import Workspace
+from k3.ops.kda.solve import unit_lower_solve_
 
 
 @dataclass
@@ -72,8 +73,7 @@ def local_solve(loc: ChunkLocal, v, beta, A_qk, A_kk, X, ws: Workspace) -> None:
     torch.where(strict, A[:, :, 1], zero, out=A_kk.view(M, n, s, C))
     torch.mul(v, beta[..., None], out=X[..., :V])
     torch.mul(loc.rows[:, :, 1], loc.f.e_mid[:, :, None], out=X[..., V:].unflatten(1, (n, s)))
-    # X^T (I + A_kk)^T = R^T, in place: the layout LAPACK takes without copies
-    torch.linalg.solve_triangular(A_kk.mT, X.mT, upper=True, left=False, unitriangular=True, out=X.mT)
+    unit_lower_solve_(A_kk, X)  # X = (I + A_kk)^-1 R, in place
 
 
 def local_backward(loc: ChunkLocal, q, k, v, beta, A_kk, X, S, dS_next, v_new, dv_new, do, ws: Workspace):
@@ -92,7 +92,7 @@ def local_backward(loc: ChunkLocal, q, k, v, beta, A_kk, X, S, dS_next, v_new, d
     torch.neg(dW, out=dX[..., V:])
     dA = ws.get("dA", q, M, n, 2, s, C)
     torch.mul(torch.bmm(do, v_new.mT).view(M, n, s, C), lower_f, out=dA[:, :, 0])
-    torch.linalg.solve_triangular(A_kk, dX.mT, upper=False, left=False, unitriangular=True, out=dX.mT)  # dR
+    unit_lower_solve_(A_kk, dX, transpose=True)  # dR = (I + A_kk)^-T dX
     torch.mul(torch.bmm(dX, X.mT).view(M, n, s, C), strict_neg, out=dA[:, :, 1])
     dR_v, dkbg = dX[..., :V], dX[..., V:].unflatten(1, (n, s))
     dA3 = dA.view(M * n, 2 * s, C)

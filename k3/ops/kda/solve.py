@@ -1,0 +1,51 @@
+"""The UT transform's unit-triangular solve, in place, as two half-size solves and one matmul.
+
+Chunked KDA solves (I + A) X = R for every chunk, A [M, C, C] strictly lower triangular (A_kk). On CPU,
+LAPACK's batched triangular solve on 64 x 64 systems runs well below matmul speed; cutting the system
+into 2 x 2 blocks of C/2,
+
+    X_0 = (I + A_00)^-1 R_0,    X_1 = (I + A_11)^-1 (R_1 - A_10 X_0),
+
+moves a third of the work into one batched matmul and makes each solve a quarter the size
+(docs/bench_kda.md). The backward needs the transposed system (I + A)^T Y = D, solved bottom block first:
+
+    Y_1 = (I + A_11)^-T D_1,    Y_0 = (I + A_00)^-T (D_0 - A_10^T Y_1).
+
+`unit_lower_solve_ref` is the plain one-call solve with the same signature (tests compare them).
+"""
+
+import torch
+
+
+def unit_lower_solve_(A: torch.Tensor, X: torch.Tensor, transpose: bool = False) -> torch.Tensor:
+    """A [M, C, C] (strictly lower part used, unit diagonal implied); X [M, C, N], overwritten with
+    (I + A)^-1 X, or (I + A)^-T X when transpose; returns X. C odd or < 16: the one-call solve."""
+    C = A.shape[-1]
+    if C % 2 or C < 16:
+        return unit_lower_solve_ref(A, X, transpose)
+    h = C // 2
+    A00, A10, A11 = A[:, :h, :h], A[:, h:, :h], A[:, h:, h:]
+    X0, X1 = X[:, :h], X[:, h:]
+    if transpose:
+        _solve_half(A11, X1, transpose=True)
+        X0.baddbmm_(A10.mT, X1, alpha=-1)
+        _solve_half(A00, X0, transpose=True)
+    else:
+        _solve_half(A00, X0, transpose=False)
+        X1.baddbmm_(A10, X0, alpha=-1)
+        _solve_half(A11, X1, transpose=False)
+    return X
+
+
+def _solve_half(A: torch.Tensor, X: torch.Tensor, transpose: bool) -> None:
+    # right-hand solves on X^T: the layout LAPACK takes without copying the row-major X
+    if transpose:  # X^T (I + A) = D^T
+        torch.linalg.solve_triangular(A, X.mT, upper=False, left=False, unitriangular=True, out=X.mT)
+    else:  # X^T (I + A)^T = R^T
+        torch.linalg.solve_triangular(A.mT, X.mT, upper=True, left=False, unitriangular=True, out=X.mT)
+
+
+def unit_lower_solve_ref(A: torch.Tensor, X: torch.Tensor, transpose: bool = False) -> torch.Tensor:
+    """The reference: one LAPACK solve over the whole C x C system (same contract as the fast path)."""
+    _solve_half(A, X, transpose)
+    return X
