@@ -3,6 +3,9 @@
 Trains the tower + projector of a fresh k3-tiny-vl with a linear head on the pooled image tokens (no LM)
 to name the shape of one-shape colour scenes (3 classes) or the digit of digit scenes (10 classes) from
 `k3.vision.synthetic`, and prints the loss every 50 steps and the accuracy on 200 held-out images.
+`--task binding` asks the colour question of 1-3-shape colour scenes instead: the pooling is attention
+with a learned query per shape name (6 classes), the smallest model of "read the colour of the named
+shape" on top of the tower, so it tells whether the tower's tokens carry what binding needs.
 `--cnn` swaps the tower for a small 3-layer CNN on the same pixels (the baseline that shows the data is
 learnable); `--pool` picks mean or max over an image's tokens; `--scale` resizes every image (0.55 maps
 the 128..320-px scenes to the ~70..176 px of the task's first version). A lab tool, not a `k3 bench`
@@ -11,11 +14,13 @@ entry; docs/vision.md ("Image sizes") quotes its results with the commands.
     python bench/vision_tower_probe.py --task shape --pool max              # tower, current sizes
     python bench/vision_tower_probe.py --task shape --pool max --scale 0.55 # tower, small images
     python bench/vision_tower_probe.py --task shape --cnn --scale 0.55      # CNN baseline
+    python bench/vision_tower_probe.py --task binding --steps 800           # colour of the named shape
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
 
@@ -29,10 +34,18 @@ from k3.vision import synthetic
 from k3.vision.config import vl_preset
 from k3.vision.preprocess import batch_images, preprocess_image, unpatchify
 
+COLOUR_NAMES = sorted(synthetic.COLOURS)
 
-def labelled(task: str, split: str, i: int, scale: float) -> tuple[Image.Image, int]:
-    """(image, class) of the i-th example: the shape of a one-shape colour scene, or the digit."""
-    if task == "shape":
+
+def labelled(task: str, split: str, i: int, scale: float) -> tuple[Image.Image, int, int]:
+    """(image, class, query) of the i-th example: the shape of a one-shape colour scene, the digit, or
+    (binding) the colour of the shape a 1-3-shape colour scene's question names (query: that shape)."""
+    query = 0
+    if task == "binding":
+        ex = synthetic.example(split, 0, i, ("colour",))
+        query = next(j for j, s in enumerate(synthetic.SHAPES) if f" {s}?" in ex.question)
+        label = COLOUR_NAMES.index(ex.answer)
+    elif task == "shape":
         ex = synthetic.example(split, 0, i, ("colour",), max_shapes=1)
         label = next(j for j, s in enumerate(synthetic.SHAPES) if f" {s}?" in ex.question)
     else:
@@ -42,26 +55,35 @@ def labelled(task: str, split: str, i: int, scale: float) -> tuple[Image.Image, 
     if scale != 1.0:
         size = (max(1, round(img.width * scale)), max(1, round(img.height * scale)))
         img = img.resize(size, Image.Resampling.BICUBIC)
-    return img, label
+    return img, label, query
 
 
 class TowerClassifier(nn.Module):
-    """tower -> projector -> pool over each image's tokens -> linear head."""
+    """tower -> projector -> pool over each image's tokens (mean, max, or attention with a learned
+    query per shape: "query") -> linear head."""
 
-    def __init__(self, classes: int, pool: str, seed: int):
+    def __init__(self, classes: int, pool: str, seed: int, width: int | None = None):
         super().__init__()
         self.config = vl_preset("k3-tiny-vl")
+        if width:
+            self.config = dataclasses.replace(self.config, vision=self.config.vision.with_width(width))
         vl = K3VLForCausalLM(self.config)
         init_vl_weights(vl, seed=seed, projector_norm_init=0.1)
         self.tower, self.projector, self.pool = vl.vision_tower, vl.mm_projector, pool
-        self.head = nn.Linear(self.config.text.hidden_size, classes)
+        d = self.config.text.hidden_size
+        self.queries = nn.Parameter(torch.randn(len(synthetic.SHAPES), d) * d**-0.5)
+        self.head = nn.Linear(d, classes)
 
-    def forward(self, images: list[Image.Image]) -> torch.Tensor:
+    def forward(self, images: list[Image.Image], queries: list[int]) -> torch.Tensor:
         inputs = [preprocess_image(im, self.config.media) for im in images]
         pixels, grid = batch_images(inputs)
         tokens = self.projector(self.tower(pixels, grid)).split([im.num_tokens for im in inputs])
-        pooled = torch.stack([t.amax(0) if self.pool == "max" else t.mean(0) for t in tokens])
-        return self.head(pooled)
+        return self.head(torch.stack([self._pool(t, q) for t, q in zip(tokens, queries, strict=True)]))
+
+    def _pool(self, t: torch.Tensor, query: int) -> torch.Tensor:
+        if self.pool == "query":  # t [N, d]: softmax over the image's tokens of <token, query>
+            return torch.softmax(t @ self.queries[query] * t.shape[-1] ** -0.5, 0) @ t
+        return t.amax(0) if self.pool == "max" else t.mean(0)
 
 
 class CNNClassifier(nn.Module):
@@ -76,7 +98,8 @@ class CNNClassifier(nn.Module):
             nn.Linear(64, classes),
         )  # fmt: skip
 
-    def forward(self, images: list[Image.Image]) -> torch.Tensor:
+    def forward(self, images: list[Image.Image], queries: list[int]) -> torch.Tensor:
+        del queries  # the CNN baseline serves the shape / digit tasks only
         out = []
         for im in images:
             x = preprocess_image(im, self.media)
@@ -86,8 +109,11 @@ class CNNClassifier(nn.Module):
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--task", choices=("shape", "digit"), default="shape")
-    p.add_argument("--pool", choices=("mean", "max"), default="max")
+    p.add_argument("--task", choices=("shape", "digit", "binding"), default="shape")
+    p.add_argument(
+        "--pool", choices=("mean", "max", "query"), default=None, help="default: max (binding: query)"
+    )
+    p.add_argument("--tower-width", type=int, default=None, help="vision tower width (default: the preset's)")
     p.add_argument("--cnn", action="store_true", help="the CNN baseline instead of the tower")
     p.add_argument("--scale", type=float, default=1.0, help="resize every image by this factor")
     p.add_argument("--steps", type=int, default=300)
@@ -98,15 +124,19 @@ def main(argv=None) -> None:
     a = p.parse_args(argv)
     if not (a.scale > 0 and a.steps > 0 and a.batch > 0):
         p.error("--scale, --steps and --batch must be positive")
+    a.pool = a.pool or ("query" if a.task == "binding" else "max")
+    if a.task == "binding" and (a.cnn or a.pool != "query"):
+        p.error("--task binding needs the tower with --pool query (the shape name picks the tokens)")
     torch.manual_seed(a.seed)
     torch.set_num_threads(1)
-    classes = len(synthetic.SHAPES) if a.task == "shape" else 10
-    model = CNNClassifier(classes) if a.cnn else TowerClassifier(classes, a.pool, a.seed)
+    classes = {"shape": len(synthetic.SHAPES), "digit": 10, "binding": len(COLOUR_NAMES)}[a.task]
+    model = CNNClassifier(classes) if a.cnn else TowerClassifier(classes, a.pool, a.seed, a.tower_width)
     opt = torch.optim.AdamW(model.parameters(), lr=a.lr)
     log, t0 = [], time.time()
     for step in range(a.steps):
         data = [labelled(a.task, "train", step * a.batch + j, a.scale) for j in range(a.batch)]
-        loss = F.cross_entropy(model([d[0] for d in data]), torch.tensor([d[1] for d in data]))
+        logits = model([d[0] for d in data], [d[2] for d in data])
+        loss = F.cross_entropy(logits, torch.tensor([d[1] for d in data]))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
@@ -115,7 +145,7 @@ def main(argv=None) -> None:
             print(json.dumps(log[-1]), flush=True)
     with torch.no_grad():
         held = [labelled(a.task, "heldout", j, a.scale) for j in range(200)]
-        pred = model([d[0] for d in held]).argmax(1)
+        pred = model([d[0] for d in held], [d[2] for d in held]).argmax(1)
     acc = (pred == torch.tensor([d[1] for d in held])).float().mean().item()
     print(json.dumps({"heldout_accuracy": acc, "n": len(held), **vars(a)}), flush=True)
     if a.json:
