@@ -37,17 +37,22 @@ from k3.vision.preprocess import batch_images, preprocess_image, unpatchify
 COLOUR_NAMES = sorted(synthetic.COLOURS)
 
 
+def _named_shape(ex: synthetic.Example) -> int:
+    """Index in synthetic.SHAPES of the shape a colour question names ("what colour is the square?")."""
+    return next(j for j, s in enumerate(synthetic.SHAPES) if f" {s}?" in ex.question)
+
+
 def labelled(task: str, split: str, i: int, scale: float) -> tuple[Image.Image, int, int]:
     """(image, class, query) of the i-th example: the shape of a one-shape colour scene, the digit, or
     (binding) the colour of the shape a 1-3-shape colour scene's question names (query: that shape)."""
     query = 0
     if task == "binding":
         ex = synthetic.example(split, 0, i, ("colour",))
-        query = next(j for j, s in enumerate(synthetic.SHAPES) if f" {s}?" in ex.question)
+        query = _named_shape(ex)
         label = COLOUR_NAMES.index(ex.answer)
     elif task == "shape":
         ex = synthetic.example(split, 0, i, ("colour",), max_shapes=1)
-        label = next(j for j, s in enumerate(synthetic.SHAPES) if f" {s}?" in ex.question)
+        label = _named_shape(ex)
     else:
         ex = synthetic.example(split, 0, i, ("digit",))
         label = int(ex.answer)
