@@ -6,8 +6,9 @@ into 2 x 2 blocks of C/2,
 
     X_0 = (I + A_00)^-1 R_0,    X_1 = (I + A_11)^-1 (R_1 - A_10 X_0),
 
-moves a third of the work into one batched matmul and makes each solve a quarter the size
-(docs/bench_kda.md). The backward needs the transposed system (I + A)^T Y = D, solved bottom block first:
+moves half of the multiply-adds into one batched matmul and makes each solve a quarter the size
+(docs/bench_kda.md: a few % faster; LAPACK copies each half-block in and out, since the halves are
+not batch-contiguous). The backward needs the transposed system (I + A)^T Y = D, solved bottom block first:
 
     Y_1 = (I + A_11)^-T D_1,    Y_0 = (I + A_00)^-T (D_0 - A_10^T Y_1).
 
@@ -38,7 +39,7 @@ def unit_lower_solve_(A: torch.Tensor, X: torch.Tensor, transpose: bool = False)
 
 
 def _solve_half(A: torch.Tensor, X: torch.Tensor, transpose: bool) -> None:
-    # right-hand solves on X^T: the layout LAPACK takes without copying the row-major X
+    # right-hand solves on X^T: no copy for a whole contiguous X; a half-block X is copied by LAPACK
     if transpose:  # X^T (I + A) = D^T
         torch.linalg.solve_triangular(A, X.mT, upper=False, left=False, unitriangular=True, out=X.mT)
     else:  # X^T (I + A)^T = R^T
