@@ -60,15 +60,16 @@ def main(argv=None) -> None:
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--projector-norm-init", type=float, default=1.0)
     p.add_argument("--max-shapes", type=int, default=3, help="most shapes per colour scene (1: one colour)")
-    p.add_argument("--lm-layers", type=int, default=4, help="text layers (3:1 KDA:MLA)")
-    p.add_argument("--tower-width", type=int, default=64)
+    p.add_argument("--lm-layers", type=int, help="text layers (3:1 KDA:MLA; default: the preset's)")
+    p.add_argument("--tower-width", type=int, help="vision tower width (default: the preset's)")
     p.add_argument("--eval-n", type=int, default=64, help="held-out questions scored at the end")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", help="write the log and the accuracy here")
     a = p.parse_args(argv)
     flags = {"--kinds": a.kinds, "--max-shapes": a.max_shapes, "--steps": a.steps, "--batch": a.batch,
              "--lr": a.lr, "--projector-norm-init": a.projector_norm_init, "--seed": a.seed, "--threads": 1,
-             "--lm-layers": a.lm_layers, "--tower-width": a.tower_width,
+             **({"--lm-layers": a.lm_layers} if a.lm_layers else {}),
+             **({"--tower-width": a.tower_width} if a.tower_width else {}),
              "--warmup": 30, "--eval-n": a.eval_n, "--eval-every": 0, "--log-every": 10**9,
              "--caption-frac": 0}  # fmt: skip
     args = T.parse_args([x for flag, value in flags.items() for x in (flag, str(value))])

@@ -278,7 +278,7 @@ class K3Config:
         """A copy with `num_layers` layers in the preset pattern (3:1 KDA:MLA, the last layer MLA)."""
         _positive_int(num_layers, "num_hidden_layers")
         full, kda = layer_pattern(num_layers)
-        la = dataclasses.replace(self.linear_attn_config, full_attn_layers=tuple(full), kda_layers=tuple(kda))
+        la = dataclasses.replace(self.linear_attn_config, full_attn_layers=full, kda_layers=kda)
         return self.replace(num_hidden_layers=num_layers, linear_attn_config=la)
 
     # ---- HF JSON -------------------------------------------------------------------------------
@@ -350,13 +350,14 @@ class K3Config:
 
 
 # ---- presets -------------------------------------------------------------------------------------
-def layer_pattern(num_layers: int) -> tuple[list[int], list[int]]:
-    """3:1 KDA:MLA, every 4th layer MLA, and the last layer always MLA (as in the release)."""
+def layer_pattern(num_layers: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(full_attn_layers, kda_layers), 1-based: 3:1 KDA:MLA, every 4th layer MLA, and the last layer
+    always MLA (as in the release)."""
     full = [i for i in range(4, num_layers + 1, 4)]
     if num_layers not in full:
         full.append(num_layers)
-    kda = [i for i in range(1, num_layers + 1) if i not in full]
-    return full, kda
+    kda = tuple(i for i in range(1, num_layers + 1) if i not in full)
+    return tuple(full), kda
 
 
 def _small_preset(
@@ -381,9 +382,7 @@ def _small_preset(
     block: int,
 ) -> K3Config:
     full, kda = layer_pattern(layers)
-    la = LinearAttnConfig(
-        num_heads=kda_heads, head_dim=kda_dim, full_attn_layers=tuple(full), kda_layers=tuple(kda)
-    )
+    la = LinearAttnConfig(num_heads=kda_heads, head_dim=kda_dim, full_attn_layers=full, kda_layers=kda)
     base = vocab - 256  # the 256 reserved ids sit at the top of the vocab, as in the release (SPEC §6.1)
     return K3Config(
         vocab_size=vocab,

@@ -216,6 +216,8 @@ def train(args, on_step=None) -> dict:
                 rec["heldout"] = evaluate(model, tok, config, heldout[: args.eval_n // 4])["accuracy"]
             print(json.dumps(rec), flush=True)
             log.append(rec)
+        if args.out and args.save_every and (step + 1) % args.save_every == 0 and step + 1 < args.steps:
+            _save(model, tok, args.out, {"step": step + 1, "of": args.steps, "partial": True})
     result = evaluate(model, tok, config, heldout)
     result |= {"preset": args.preset, "steps": args.steps, "batch": args.batch, "train_s": time.time() - t0,
                "init": args.init, "skip": args.skip, "lr": args.lr,
@@ -224,12 +226,18 @@ def train(args, on_step=None) -> dict:
                "tower_width": config.vision.vt_hidden_size}  # fmt: skip
     print(json.dumps(result), flush=True)
     if args.out:
-        from k3.vision.checkpoint import save_vl_checkpoint
-
-        out = save_vl_checkpoint(model, args.out, tok)
-        (out / "heldout_eval.json").write_text(json.dumps(result, indent=2) + "\n")
-        print(f"saved {out}", flush=True)
+        _save(model, tok, args.out, result)
     return result
+
+
+def _save(model: K3VLForCausalLM, tok: K3Tokenizer, out_dir: str, record: dict) -> None:
+    """Write the checkpoint (weights + tokenizer) and `record` beside it: the held-out evaluation at the
+    end, or {"step", "of", "partial"} for a mid-run save, so a stopped run keeps its last save."""
+    from k3.vision.checkpoint import save_vl_checkpoint
+
+    out = save_vl_checkpoint(model, out_dir, tok)
+    (out / "heldout_eval.json").write_text(json.dumps(record, indent=2) + "\n")
+    print(f"saved {out}" + (f" at step {record['step']}" if record.get("partial") else ""), flush=True)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -270,10 +278,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--log-every", type=int, default=50)
     p.add_argument("--out", default=None, help="checkpoint directory to write")
     p.add_argument(
+        "--save-every", type=int, default=0, help="also save to --out every N steps (0: only at the end)"
+    )
+    p.add_argument(
         "--init", default=None, help="start from this checkpoint (weights + tokenizer) of this loop"
     )
     p.add_argument("--skip", type=int, default=0, help="start the training stream at this example index")
     args = p.parse_args(argv)
+    if args.save_every < 0:
+        p.error(f"--save-every must be 0 or a positive number of steps, got {args.save_every}")
     if args.steps <= 0 or args.batch <= 0 or not math.isfinite(args.lr) or args.lr <= 0:
         p.error("--steps, --batch and --lr must be positive")
     if not (math.isfinite(args.projector_norm_init) and args.projector_norm_init > 0):
@@ -295,7 +308,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 _FROM_TRAIN_CLI = {"preset": "--preset", "data": "--data", "steps": "--steps", "batch_size": "--batch",
                    "lr": "--lr", "weight_decay": "--wd", "warmup_steps": "--warmup", "seed": "--seed",
                    "threads": "--threads", "eval_every": "--eval-every", "log_every": "--log-every",
-                   "out": "--out"}  # fmt: skip
+                   "out": "--out", "save_every": "--save-every"}  # fmt: skip
 
 
 def run_from_train_cli(args: argparse.Namespace) -> int:

@@ -62,3 +62,23 @@ def test_short_run_calls_the_step_hook_with_gradients(tmp_path):
     assert 0.0 <= result["accuracy"] <= 1.0 and set(result["per_kind"]) <= {"colour", "count"}
     assert result["lm_layers"] == 5 and result["tower_width"] == 64
     assert result["kinds"] == ["colour", "count"] and (tmp_path / "ck" / "heldout_eval.json").exists()
+
+
+def test_save_every_keeps_the_last_save_when_a_run_dies(tmp_path):
+    import json
+
+    from k3.vision.checkpoint import load_vl_checkpoint
+
+    def die_at_step_2(step, model, batch, out):
+        if step == 2:
+            raise RuntimeError("stopped")
+
+    flags = "--steps 4 --batch 2 --eval-n 4 --eval-every 0 --threads 1 --kinds colour --lm-layers 4"
+    args = T.parse_args([*flags.split(), "--save-every", "2", "--out", str(tmp_path / "ck")])
+    with pytest.raises(RuntimeError, match="stopped"):
+        T.train(args, on_step=die_at_step_2)
+    record = json.loads((tmp_path / "ck" / "heldout_eval.json").read_text())
+    assert record == {"step": 2, "of": 4, "partial": True}
+    assert load_vl_checkpoint(tmp_path / "ck").config.text.num_hidden_layers == 4
+    with pytest.raises(SystemExit):
+        T.parse_args(["--save-every", "-1"])
