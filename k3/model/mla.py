@@ -17,15 +17,18 @@ plus arange(T), or explicit `positions`). Latent norm eps is `config.latent_norm
 
 Attention paths (k3.ops.mla), all equal: naive (materialized per-head K/V; training, prefill), absorbed
 (W_UK folded into the query, W_UV into the output, attending over the latent; decode) and streaming
-(absorbed, online softmax over latent blocks read one at a time from the state; long contexts). With a
+(online softmax over latent blocks read one at a time from the state; long contexts; each block
+absorbed, or up-projected to per-head keys/values when the chunk is long enough for that to need fewer
+multiply-adds, k3.ops.mla.expand_pays). With a
 state the new latents are stored and the queries attend causally over cache + new tokens:
 
 * dense (the state's `append` returns all S latents, one [B, H, T, S] score tensor): when the attention
   is small, H*T*S <= DENSE_MAX_SCORES per row, or the state cannot stream, or `absorb` is given
   (forcing the absorbed or naive form). Absorbed when T == 1, naive otherwise.
 * streaming (`write`, then `blocks`): otherwise, when the state provides `blocks` (the engine's paged
-  state, and `MLAState`). Block size: DENSE_MAX_SCORES // (B*H*T) keys, at least MIN_BLOCK, so the score
-  scratch stays ~DENSE_MAX_SCORES fp32 values whatever S is; nothing of size S but the cache exists.
+  state, and `MLAState`). Block size: DENSE_MAX_SCORES // (B*H*T) keys, at least MIN_BLOCK and at most
+  MAX_BLOCK, so the score scratch stays ~DENSE_MAX_SCORES fp32 values at most whatever S is (nothing of
+  size S but the cache exists) and small enough to stay in cache across the block's passes.
   In the engine every prefill chunk past the first few thousand keys, and long-context decode, take it.
 
 Ragged batches: a state with per-row cached lengths `lengths` [B] (k3.model.state) gets a per-row causal
@@ -40,6 +43,7 @@ from k3.model.layers import Linear, RMSNorm
 from k3.model.state import MLAState
 from k3.ops.mla import (
     causal_mask,
+    expand_pays,
     mla_attention_absorbed,
     mla_attention_naive,
     mla_attention_over_blocks,
@@ -51,6 +55,7 @@ from k3.ops.rope import apply_rope
 
 DENSE_MAX_SCORES = 1 << 22  # per-row H*T*S above which a streaming state is read block by block (16 MiB fp32)
 MIN_BLOCK = 128  # keys per block at least (bounds the Python loop for many heads x long chunks)
+MAX_BLOCK = 512  # keys per block at most: smaller score blocks stay in cache between matmul, exp and sum
 
 
 def doc_positions(doc_ids: torch.Tensor) -> torch.Tensor:
@@ -137,10 +142,13 @@ class MLAAttention(nn.Module):
     def _attend_stream(self, q_nope, q_pe, state, S: int, lengths) -> torch.Tensor:
         """Queries [B, T, H, *] over the state's latent blocks (online softmax) -> o [B, T, H, Dv]."""
         B, T, H, _ = q_nope.shape
-        block = max(MIN_BLOCK, DENSE_MAX_SCORES // (B * H * T))
+        block = max(MIN_BLOCK, min(MAX_BLOCK, DENSE_MAX_SCORES // (B * H * T)))
         q_pos = query_positions(T, S, lengths, q_nope.device)
         w_uk, w_uv = self._absorbed_weights()
-        return mla_attention_over_blocks(q_nope, q_pe, state.blocks(block), w_uk, w_uv, self.scale, q_pos)
+        expand = expand_pays(T, self.kv_lora_rank, self.nope_dim, self.v_dim)
+        return mla_attention_over_blocks(
+            q_nope, q_pe, state.blocks(block), w_uk, w_uv, self.scale, q_pos, expand=expand
+        )
 
     def forward(
         self,

@@ -17,6 +17,8 @@ Three equal ways to compute the same attention:
 * `mla_attention_blockwise` is the absorbed form with an online softmax over key blocks, so [T, S] is
   never materialized (long-context prefill); `mla_attention_over_blocks` is its core, taking the keys as
   a stream of latent blocks (the engine reads them page by page from its pool, never gathering [S, R+Dr]).
+  With `expand=True` both up-project each block to per-head keys/values instead: fewer multiply-adds
+  once a chunk has more than ~R queries (`expand_pays`).
 
 Masks: `causal_mask` builds the boolean [B|1, T, S] mask (True = may attend) for queries that are the
 last T of the S keys (the cache convention), optionally block-diagonal by document ids;
@@ -138,6 +140,14 @@ def latent_blocks(c_kv: torch.Tensor, k_pe: torch.Tensor, block_size: int):
         yield torch.cat([c_kv[:, s0 : s0 + block_size], k_pe[:, s0 : s0 + block_size]], dim=-1)
 
 
+def expand_pays(T: int, R: int, Dn: int, Dv: int) -> bool:
+    """Whether T queries per row attend over a key block more cheaply with per-head keys/values
+    (`expand=True` below) than over the latent (absorbed). Per key and row, expanding costs the
+    up-projection R*H*(Dn+Dv) plus H*T*(Dn+Dr+Dv) multiply-adds for scores and values; the absorbed form
+    H*T*(2R+Dr). So expanding pays once T > R*(Dn+Dv) / (2R - Dn - Dv) (k3-tiny: 128; the release: 171)."""
+    return 2 * R > Dn + Dv and T * (2 * R - Dn - Dv) > R * (Dn + Dv)
+
+
 def mla_attention_over_blocks(
     q_nope: torch.Tensor,
     q_pe: torch.Tensor,
@@ -148,32 +158,43 @@ def mla_attention_over_blocks(
     q_pos: torch.Tensor | None = None,
     q_doc_ids: torch.Tensor | None = None,
     k_doc_blocks=None,
+    expand: bool = False,
 ) -> torch.Tensor:
-    """Absorbed MLA with an online softmax over a stream of latent key blocks (memory O(H*T*block)).
+    """MLA with an online softmax over a stream of latent key blocks (memory O(H*T*block)).
 
     q_nope [B, T, H, Dn], q_pe [B, T, H, Dr]; `blocks` yields latents [B, s_i, R+Dr] = [c_kv | k_pe] of
     consecutive key positions starting at 0 (e.g. read block by block from a paged cache); w_uk [H, Dn, R],
     w_uv [H, Dv, R]. Masking is structural: q_pos [B or 1, T] (query t of row b may see keys
     s <= q_pos[b, t]; None = no causal mask) and doc ids q_doc_ids [B, T] with `k_doc_blocks` yielding
-    [B, s_i] alongside the blocks. The heads share the key (MQA), so they are folded into the query rows:
-    one [B, H*T, s_i] score block per key block -> o [B, T, H, Dv] in the blocks' dtype.
+    [B, s_i] alongside the blocks -> o [B, T, H, Dv] in the blocks' dtype.
+
+    Two forms of the same sums (see `expand_pays` for which is cheaper):
+    * absorbed (default): the heads share the latent key (MQA), so they fold into the query rows: one
+      [B, H*T, s_i] score block against the latent per key block, values in latent space (W_UV after);
+    * expand=True: each block is up-projected to per-head keys [B*H, s_i, Dn+Dr] and values
+      [B*H, s_i, Dv] (the naive form, block by block), scores [B*H, T, s_i].
+    Either way the loop is over rows x keys in 3-D batches: `batch` x `rows` queries of `width` values.
     """
     B, T, H, _ = q_nope.shape
     R = w_uk.shape[-1]
-    q = torch.cat(
-        [torch.einsum("bthd,hdr->bhtr", q_nope.float(), w_uk.float()), q_pe.float().transpose(1, 2)], -1
-    )
-    q = (q * scale).reshape(B, H * T, -1)  # [B, H*T, R+Dr], scale folded in
-    m = torch.full((B, H * T, 1), float("-inf"), device=q.device)  # running max
-    l = torch.zeros(B, H * T, 1, device=q.device)  # running softmax denominator
-    acc = torch.zeros(B, H * T, R, device=q.device)  # running numerator, in latent space
+    if expand:
+        q = torch.cat([q_nope.float(), q_pe.float()], -1).transpose(1, 2).reshape(B * H, T, -1)
+        width = w_uv.shape[1]
+    else:
+        q_lat = torch.einsum("bthd,hdr->bhtr", q_nope.float(), w_uk.float())
+        q = torch.cat([q_lat, q_pe.float().transpose(1, 2)], -1).reshape(B, H * T, -1)
+        width = R
+    q = q * scale  # [batch, rows, key width], scale folded in
+    m = torch.full((*q.shape[:2], 1), float("-inf"), device=q.device)  # running max
+    l = torch.zeros(*q.shape[:2], 1, device=q.device)  # running softmax denominator
+    acc = torch.zeros(*q.shape[:2], width, device=q.device)  # running numerator
     doc_iter = iter(k_doc_blocks) if k_doc_blocks is not None else None
     q_lo = None if q_pos is None else int(q_pos.min())  # keys up to here are visible to every query
     s0, dtype = 0, None
     for lat in blocks:
-        dtype, s = lat.dtype, lat.shape[1]
-        lat = lat.float()
-        scores = (q @ lat.mT).view(B, H, T, s)  # [B, H, T, s]
+        dtype, s, lat = lat.dtype, lat.shape[1], lat.float()
+        keys, values = _block_keys(lat, w_uk, w_uv, H) if expand else (lat, lat[..., :R])
+        scores = (q @ keys.mT).view(B, H, T, s)
         keep = None
         if q_pos is not None and s0 + s - 1 > q_lo:  # only blocks reaching past q_lo need the mask
             keep = torch.arange(s0, s0 + s, device=q.device)[None, None, :] <= q_pos[:, :, None]
@@ -182,18 +203,32 @@ def mla_attention_over_blocks(
             keep = same if keep is None else keep & same
         if keep is not None:
             scores.masked_fill_(~keep[:, None], float("-inf"))
-        scores = scores.view(B, H * T, s)
+        scores = scores.view(*q.shape[:2], s)
         m_new = torch.maximum(m, scores.amax(-1, keepdim=True))
         m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)  # rows with nothing seen yet
-        p = scores.sub_(m_safe).exp_()  # in place: one [B, H*T, s] buffer per block
+        p = scores.sub_(m_safe).exp_()  # in place: one [batch, rows, s] buffer per block
         corr = torch.exp(m - m_safe)
         l = l * corr + p.sum(-1, keepdim=True)
-        acc = torch.baddbmm(acc * corr, p, lat[..., :R])
+        acc = torch.baddbmm(acc * corr, p, values)
         m, s0 = m_new, s0 + s
     if dtype is None:
         raise ValueError("blocks yielded no keys")
-    o_lat = (acc / l).view(B, H, T, R)
-    return torch.einsum("bhtr,hvr->bthv", o_lat, w_uv.float()).to(dtype)
+    o = (acc / l).view(B, H, T, width)
+    if expand:
+        return o.transpose(1, 2).to(dtype)
+    return torch.einsum("bhtr,hvr->bthv", o, w_uv.float()).to(dtype)
+
+
+def _block_keys(lat: torch.Tensor, w_uk: torch.Tensor, w_uv: torch.Tensor, H: int):
+    """Latent block [B, s, R+Dr] fp32 -> per-head keys [B*H, s, Dn+Dr] (k_pe shared by the heads) and
+    values [B*H, s, Dv]."""
+    B, s, _ = lat.shape
+    R = w_uk.shape[-1]
+    c, k_pe = lat[..., :R], lat[..., R:]
+    k_nope = torch.einsum("bsr,hdr->bhsd", c, w_uk.float())
+    keys = torch.cat([k_nope, k_pe[:, None].expand(B, H, s, k_pe.shape[-1])], -1)
+    values = torch.einsum("bsr,hvr->bhsv", c, w_uv.float())
+    return keys.reshape(B * H, s, -1), values.reshape(B * H, s, -1)
 
 
 def mla_attention_blockwise(
@@ -209,8 +244,10 @@ def mla_attention_blockwise(
     k_doc_ids: torch.Tensor | None = None,
     block_size: int = 512,
     q_offsets: torch.Tensor | None = None,
+    expand: bool = False,
 ) -> torch.Tensor:
-    """`mla_attention_absorbed` with an online softmax over key blocks of `block_size` (memory O(T*block)).
+    """`mla_attention_absorbed` with an online softmax over key blocks of `block_size` (memory O(T*block));
+    expand=True up-projects each block to per-head keys and values instead (`mla_attention_over_blocks`).
 
     Shapes as in `mla_attention_absorbed`; the mask is given structurally instead of as a [T, S] tensor:
     `causal` (queries are the last T of the S keys, or with q_offsets [B] row b's query t is at key
@@ -229,4 +266,6 @@ def mla_attention_blockwise(
     if k_doc_ids is not None:
         k_docs = (k_doc_ids[:, s0 : s0 + block_size] for s0 in range(0, S, block_size))
     blocks = latent_blocks(c_kv, k_pe, block_size)
-    return mla_attention_over_blocks(q_nope, q_pe, blocks, w_uk, w_uv, scale, q_pos, q_doc_ids, k_docs)
+    return mla_attention_over_blocks(
+        q_nope, q_pe, blocks, w_uk, w_uv, scale, q_pos, q_doc_ids, k_docs, expand=expand
+    )

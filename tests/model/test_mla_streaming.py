@@ -45,10 +45,12 @@ class _NoAppend(MLAState):
 
 @pytest.mark.parametrize("config", [CFG, ROPE], ids=["nope", "rope"])
 @pytest.mark.parametrize("chunks", [[1] * 9, [5, 3, 1], [2, 7]], ids=lambda c: "+".join(map(str, c)))
-def test_streaming_chunked_prefill_equals_one_pass(monkeypatch, config, chunks):
+@pytest.mark.parametrize("expand", [False, True], ids=["absorbed", "expanded"])
+def test_streaming_chunked_prefill_equals_one_pass(monkeypatch, config, chunks, expand):
     layer = build(config)
     x = inputs(2, sum(chunks))
     monkeypatch.setattr(mla_mod, "MIN_BLOCK", 2)  # several blocks, not dividing the key counts
+    monkeypatch.setattr(mla_mod, "expand_pays", lambda *a: expand)  # either form of the blocks
     with torch.no_grad():
         full = layer(x)
         monkeypatch.setattr(mla_mod, "DENSE_MAX_SCORES", 0)  # always stream
@@ -58,6 +60,16 @@ def test_streaming_chunked_prefill_equals_one_pass(monkeypatch, config, chunks):
             t += n
     assert state.length == x.shape[1]
     assert _rel_err(full, torch.cat(parts, 1)) < 1e-5
+
+
+def test_long_chunks_stream_expanded(monkeypatch):
+    """The layer asks expand_pays with the chunk's query count and its own dims."""
+    layer, asked = build(CFG), []
+    monkeypatch.setattr(mla_mod, "DENSE_MAX_SCORES", 0)
+    monkeypatch.setattr(mla_mod, "expand_pays", lambda *a: asked.append(a) or False)
+    with torch.no_grad():
+        layer(inputs(1, 6), state=_NoAppend())
+    assert asked == [(6, CFG.kv_lora_rank, CFG.qk_nope_head_dim, CFG.v_head_dim)]
 
 
 def test_threshold_picks_the_path(monkeypatch):
@@ -72,14 +84,15 @@ def test_threshold_picks_the_path(monkeypatch):
 
 @pytest.mark.parametrize(
     "config,stream,T",
-    [(CFG, False, 1), (CFG, True, 1), (ROPE, True, 3), (ROPE, False, 3)],
-    ids=["nope-dense-T1", "nope-streaming-T1", "rope-streaming-T3", "rope-dense-T3"],
+    [(CFG, False, 1), (CFG, True, 1), (ROPE, True, 3), (ROPE, False, 3), (CFG, "expanded", 3)],
+    ids=["nope-dense-T1", "nope-streaming-T1", "rope-streaming-T3", "rope-dense-T3", "nope-expanded-T3"],
 )
 def test_ragged_paged_batch_equals_rows_alone(monkeypatch, config, stream, T):
     """Rows with 0, 5 and 11 cached tokens in scattered pages, fed T tokens together == each alone."""
     if stream:
         monkeypatch.setattr(mla_mod, "DENSE_MAX_SCORES", 0)
         monkeypatch.setattr(mla_mod, "MIN_BLOCK", 3)
+        monkeypatch.setattr(mla_mod, "expand_pays", lambda *a: stream == "expanded")
     layer, ps, lengths = build(config), 4, [5, 0, 11]
     W = config.kv_lora_rank + config.qk_rope_head_dim
     pool = torch.full((16 * ps, W), 7.0)  # never-written rows hold garbage the mask must hide

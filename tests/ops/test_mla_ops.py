@@ -5,6 +5,7 @@ import torch
 
 from k3.ops.mla import (
     causal_mask,
+    expand_pays,
     mla_attention_absorbed,
     mla_attention_blockwise,
     mla_attention_naive,
@@ -56,7 +57,8 @@ def test_absorbed_equals_naive(B, T, S):
 
 @pytest.mark.parametrize("T,S,block", [(7, 7, 3), (3, 10, 4), (6, 6, 64), (1, 9, 2)], ids=lambda v: f"{v}")
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
-def test_blockwise_equals_naive(T, S, block, causal):
+@pytest.mark.parametrize("expand", [False, True], ids=["absorbed", "expanded"])
+def test_blockwise_equals_naive(T, S, block, causal, expand):
     B = 2
     q_nope, q_pe, c_kv, k_pe, kv_b = _inputs(B, T, S, seed=1)
     scale = (DN + DR) ** -0.5
@@ -64,12 +66,13 @@ def test_blockwise_equals_naive(T, S, block, causal):
     ref = _naive_from_latent(q_nope, q_pe, c_kv, k_pe, kv_b, scale, mask)
     w_uk, w_uv = split_kv_b(kv_b, H, DN, DV)
     got = mla_attention_blockwise(
-        q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, scale, causal=causal, block_size=block
+        q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, scale, causal=causal, block_size=block, expand=expand
     )
     assert_close("blockwise", ref, got, 1e-5)
 
 
-def test_blockwise_doc_ids_equals_naive_and_separate_docs():
+@pytest.mark.parametrize("expand", [False, True], ids=["absorbed", "expanded"])
+def test_blockwise_doc_ids_equals_naive_and_separate_docs(expand):
     B, T = 2, 9
     q_nope, q_pe, c_kv, k_pe, kv_b = _inputs(B, T, T, seed=2)
     docs = torch.tensor([[0, 0, 0, 1, 1, 2, 2, 2, 2], [0, 1, 1, 1, 1, 1, 1, 2, 2]])
@@ -78,13 +81,25 @@ def test_blockwise_doc_ids_equals_naive_and_separate_docs():
     ref = _naive_from_latent(q_nope, q_pe, c_kv, k_pe, kv_b, scale, mask)
     w_uk, w_uv = split_kv_b(kv_b, H, DN, DV)
     got = mla_attention_blockwise(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, scale, q_doc_ids=docs, k_doc_ids=docs,
-                                  block_size=2)  # fmt: skip
+                                  block_size=2, expand=expand)  # fmt: skip
     assert_close("blockwise docs", ref, got, 1e-5)
     for a, b in [(0, 3), (3, 5), (5, 9)]:  # row 0: each document alone gives the same output
         sl = slice(a, b)
         alone = _naive_from_latent(q_nope[:1, sl], q_pe[:1, sl], c_kv[:1, sl], k_pe[:1, sl], kv_b, scale,
                                    causal_mask(b - a, b - a))  # fmt: skip
         assert_close(f"doc {a}:{b}", alone, ref[:1, sl], 1e-6)
+
+
+def test_expand_pays_where_the_multiply_adds_say():
+    """Per key and row: expanded R*H*(Dn+Dv) + H*T*(Dn+Dr+Dv) vs absorbed H*T*(2R+Dr) multiply-adds."""
+    R, Dn, Dr, Dv, H = 128, 64, 32, 64, 4
+
+    def cheaper(T):
+        return R * H * (Dn + Dv) + H * T * (Dn + Dr + Dv) < H * T * (2 * R + Dr)
+
+    for T in (1, 64, 127, 128, 129, 600, 4096):
+        assert expand_pays(T, R, Dn, Dv) == cheaper(T), T
+    assert not expand_pays(10**6, 64, 64, 64)  # 2R <= Dn + Dv: the latent is never wider, absorbing wins
 
 
 def test_causal_mask_layout():
