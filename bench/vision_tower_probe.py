@@ -72,8 +72,8 @@ class TowerClassifier(nn.Module):
         self.config = vl_preset("k3-tiny-vl")
         if width:
             self.config = dataclasses.replace(self.config, vision=self.config.vision.with_width(width))
-        vl = K3VLForCausalLM(self.config)
-        init_vl_weights(vl, seed=seed, projector_norm_init=0.1)
+        vl = K3VLForCausalLM(self.config)  # built whole (a tiny LM) so init_vl_weights initializes the
+        init_vl_weights(vl, seed=seed, projector_norm_init=0.1)  # tower exactly as in training; LM dropped
         self.tower, self.projector, self.pool = vl.vision_tower, vl.mm_projector, pool
         d = self.config.text.hidden_size
         self.queries = nn.Parameter(torch.randn(len(synthetic.SHAPES), d) * d**-0.5)

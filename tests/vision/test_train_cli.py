@@ -16,9 +16,10 @@ def test_task_vision_maps_flags(monkeypatch):
 
     monkeypatch.setattr(tvl, "train", fake_train)
     argv = ["train", "--task", "vision", "--steps", "7", "--batch-size", "3", "--lr", "0.01", "--out", "x"]
-    assert main(argv) == 0
+    assert main([*argv, "--save-every", "2"]) == 0
     assert seen["preset"] == "k3-tiny-vl" and seen["steps"] == 7 and seen["batch"] == 3
-    assert seen["lr"] == 0.01 and seen["out"] == "x"
+    assert seen["lr"] == 0.01 and seen["out"] == "x" and seen["save_every"] == 2
+    assert main(argv) == 0 and seen["save_every"] == 0  # not given: only the final save
 
 
 def test_task_vision_refuses_text_only_flags(monkeypatch, capsys):
