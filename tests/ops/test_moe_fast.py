@@ -73,8 +73,13 @@ def test_fast_experts_validate_shapes():
             fn(z, weights, idx[:-1], *w, situ_glu)
         with pytest.raises(ValueError, match="w1"):
             fn(z, weights, idx, w[1], w[1], w[2], situ_glu)
-    assert torch.equal(
-        experts_grouped(z, weights, idx, *w, situ_glu), experts_active(z, weights, idx, *w, situ_glu)
+    # two different matmul groupings: equal up to fp32 rounding, not bit for bit (the kernel blocking
+    # depends on the row count and on how many threads are free)
+    torch.testing.assert_close(
+        experts_grouped(z, weights, idx, *w, situ_glu),
+        experts_active(z, weights, idx, *w, situ_glu),
+        rtol=1e-6,
+        atol=1e-6,
     )
 
 
