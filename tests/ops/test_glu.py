@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from k3.ops.glu import glu_fn, situ_glu, swiglu
+from k3.ops.glu import glu_fn, situ_glu, situ_glu_inplace, situ_glu_reference, swiglu
 
 
 def _inputs(n=4096, scale=10.0, dtype=torch.float32, seed=0):
@@ -60,3 +60,28 @@ def test_glu_fn():
     torch.testing.assert_close(glu_fn("silu")(gate, up), swiglu(gate, up))
     with pytest.raises(ValueError, match="hidden_act"):
         glu_fn("gelu")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=lambda d: str(d).split(".")[-1])
+def test_situ_inplace_equals_reference(dtype):
+    gate, up = _inputs(scale=30.0, dtype=dtype, seed=1)
+    edge = torch.tensor([0.0, -0.0, 1e-30, -1e-30, 1e30, -1e30, float("inf"), -float("inf")], dtype=dtype)
+    gate, up = torch.cat([gate, edge, edge.flip(0)]), torch.cat([up, edge.flip(0), edge])
+    g0, u0 = gate.clone(), up.clone()
+    for betas in ((4.0, 25.0), (2.0, 3.0)):
+        fast = situ_glu_inplace(gate, up, *betas)
+        assert fast.dtype == dtype
+        assert torch.equal(fast, situ_glu_reference(gate, up, *betas))  # same ops, same order
+    assert torch.equal(gate, g0) and torch.equal(up, u0)  # the inputs are never written
+
+
+def test_situ_dispatch_keeps_autograd():
+    gate, up = _inputs(scale=5.0, seed=2)
+    with torch.no_grad():
+        assert torch.equal(situ_glu(gate, up), situ_glu_reference(gate, up))
+    gate.requires_grad_(True)
+    out = situ_glu(gate, up)  # the in-place chain would break autograd: the reference must be taken
+    assert out.grad_fn is not None
+    out.sum().backward()
+    want = torch.autograd.grad(situ_glu_reference(gate, up).sum(), gate)[0]
+    assert torch.equal(gate.grad, want)

@@ -29,7 +29,7 @@ from k3.ops.kda.prep import check_inputs, doc_lengths
 from k3.ops.kda.scratch import Workspace, denormals_flushed
 
 MIN_LOG_DECAY = -60.0  # per-token gates below this (retention < 1e-26) are clamped
-GROUP_MATRICES = 64  # chunk x head matrices per batched chunk-local step
+GROUP_MATRICES = 32  # chunk x head matrices per batched chunk-local step
 
 
 def chunk_kda(
