@@ -50,16 +50,7 @@ def build(tc: TrainConfig):
     model = K3ForCausalLM(config)
     init_weights(model, config.initializer_range, config.num_hidden_layers, seed=tc.seed)
     model.train()
-    opts = build_optimizers(
-        model,
-        optimizer=tc.optimizer,
-        per_head=tc.per_head,
-        lr=tc.lr,
-        adamw_lr=tc.adamw_lr,
-        weight_decay=tc.weight_decay,
-        momentum=tc.momentum,
-        betas=tc.betas,
-    )
+    opts = build_optimizers(model, **tc.optimizer_options())
     return model, config, opts
 
 

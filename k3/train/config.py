@@ -130,6 +130,19 @@ class TrainConfig:
             raise ValueError(f"model_overrides: unknown K3Config keys {unknown}")
         return cfg.replace(**changes) if changes else cfg
 
+    def optimizer_options(self) -> dict[str, Any]:
+        """The `k3.optim.build_optimizers` keyword arguments this config sets (one place for the trainer
+        and the training bench)."""
+        return dict(
+            optimizer=self.optimizer,
+            per_head=self.per_head,
+            lr=self.lr,
+            adamw_lr=self.adamw_lr,
+            weight_decay=self.weight_decay,
+            momentum=self.momentum,
+            betas=self.betas,
+        )
+
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True)
 

@@ -209,17 +209,7 @@ class Trainer:
                 f"data: the validation split of {tc.data or 'the stdlib'} is empty; add documents"
             )
         self.model = rt.prepare_model(self._build_model(), capacity_factor=tc.capacity_factor)
-        self.optimizers = build_optimizers(
-            self.model,
-            optimizer=tc.optimizer,
-            per_head=tc.per_head,
-            lr=tc.lr,
-            adamw_lr=tc.adamw_lr,
-            weight_decay=tc.weight_decay,
-            momentum=tc.momentum,
-            betas=tc.betas,
-            muon_class=rt.muon_class,
-        )
+        self.optimizers = build_optimizers(self.model, **tc.optimizer_options(), muon_class=rt.muon_class)
         self.loader = PackedLoader(
             self.data.train,
             tc.seq_len,

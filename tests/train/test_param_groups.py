@@ -5,7 +5,7 @@ import torch
 
 from k3.config import preset
 from k3.model.transformer import K3ForCausalLM
-from k3.train.config import K2_MODEL
+from k3.train.config import K2_MODEL, nano_smoke
 from k3.train.param_groups import ParamGroups, build_optimizers, check_coverage, classify
 
 
@@ -119,3 +119,17 @@ def test_optimizers_step_every_parameter():
         if torch.equal(before[n], p) and p.grad is not None and p.grad.abs().sum() > 0
     ]
     assert unchanged == []
+
+
+def test_train_config_optimizer_options_reach_the_optimizers():
+    """TrainConfig.optimizer_options() is what the trainer and the training bench pass on: every field
+    it names must arrive in the optimizers' groups."""
+    tc = nano_smoke(lr=0.07, adamw_lr=0.004, weight_decay=0.2, momentum=0.9, betas=(0.8, 0.9))
+    model = K3ForCausalLM(tc.model_config())
+    muon, adamw = build_optimizers(model, **tc.optimizer_options())
+    assert {g["lr"] for g in muon.param_groups} == {0.07}
+    assert muon.defaults["momentum"] == 0.9 and muon.defaults["weight_decay"] == 0.2
+    assert {g["lr"] for g in adamw.param_groups} == {0.004}
+    assert adamw.defaults["betas"] == (0.8, 0.9)
+    (only,) = build_optimizers(model, **tc.replace(optimizer="adamw").optimizer_options())
+    assert {g["lr"] for g in only.param_groups} == {0.004}
