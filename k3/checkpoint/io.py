@@ -73,7 +73,7 @@ def save_checkpoint(
         for file, names in shards.items():
             shard = {n: _prepare(n, tensors[n], dtype) for n in names}
             save_file(shard, str(tmp / file), metadata=metadata)
-            _fsync(tmp / file)
+            fsync_path(tmp / file)
         if len(shards) > 1:
             total = sum(_nbytes(n, t, dtype) for n, t in tensors.items())
             index = {
@@ -137,7 +137,7 @@ def _provenance() -> dict[str, str]:
 
 def _write_text(path: Path, text: str) -> None:
     path.write_text(text)
-    _fsync(path)
+    fsync_path(path)
 
 
 def _write_extra(tmp: Path, name: str, content: str | bytes | Path) -> None:
@@ -152,10 +152,11 @@ def _write_extra(tmp: Path, name: str, content: str | bytes | Path) -> None:
         dest.write_text(content)
     else:
         raise ValueError(f"extra_files[{name!r}]: expected str, bytes or Path, got {type(content).__name__}")
-    _fsync(dest)
+    fsync_path(dest)
 
 
-def _fsync(path: Path) -> None:
+def fsync_path(path: Path) -> None:
+    """fsync a file or a directory (a directory: so a rename into it is durable)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -187,7 +188,7 @@ def _atomic_dir(out_dir: Path) -> Iterator[Path]:
     tmp.mkdir()
     try:
         yield tmp
-        _fsync(tmp)
+        fsync_path(tmp)
         _swap_into_place(tmp, parent / out_dir.name, parent / f".{out_dir.name}.old-{tag}")
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -202,11 +203,11 @@ def _swap_into_place(tmp: Path, final: Path, old: Path) -> None:
         except BaseException:
             os.rename(old, final)
             raise
-        _fsync(final.parent)
+        fsync_path(final.parent)
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.rename(tmp, final)
-    _fsync(final.parent)
+    fsync_path(final.parent)
 
 
 # ---- load -----------------------------------------------------------------------------------------

@@ -20,6 +20,7 @@ from torch import nn
 from torch.distributed.checkpoint import DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from k3.checkpoint.io import fsync_path
 from k3.config import K3Config
 
 CONFIG_NAME = "config.json"
@@ -82,16 +83,6 @@ def is_dcp_checkpoint(path: str | Path) -> bool:
     return json.loads((p / STATE_JSON).read_text()).get("format") == FORMAT
 
 
-def _fsync(path: Path) -> None:
-    import os
-
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def save_training_dcp(
     run_dir: str | Path,
     step: int,
@@ -140,10 +131,10 @@ def save_training_dcp(
         state = {"format_version": 1, "format": FORMAT, "layout": layout or {}, "trainer": trainer_state}
         (tmp / STATE_JSON).write_text(json.dumps(state, indent=1, allow_nan=True))
         for f in tmp.iterdir():
-            _fsync(f)
-        _fsync(tmp)
+            fsync_path(f)
+        fsync_path(tmp)
         os.rename(tmp, final)
-        _fsync(ck)
+        fsync_path(ck)
         for old in step_dirs(run_dir)[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
     if dist.is_initialized():

@@ -36,6 +36,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from k3.checkpoint import load_checkpoint, save_checkpoint
+from k3.checkpoint.io import fsync_path
 from k3.config import K3Config
 
 STATE_JSON = "train_state.json"
@@ -104,14 +105,6 @@ def _set_rng_state(state: dict, torch_state: torch.Tensor) -> None:
 # ---- save ------------------------------------------------------------------------------------------
 
 
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def step_dirs(run_dir: str | Path) -> list[Path]:
     """Complete training checkpoints of a run, oldest first."""
     ck = Path(run_dir) / "checkpoints"
@@ -148,9 +141,9 @@ def save_training_checkpoint(
         _write_contents(tmp, model, config, optimizers, trainer_state, tokenizer)
         if delay := float(os.environ.get("K3_TEST_SAVE_DELAY", "0") or 0):
             time.sleep(delay)
-        _fsync(tmp)
+        fsync_path(tmp)
         os.rename(tmp, final)
-        _fsync(ck)
+        fsync_path(ck)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -171,7 +164,7 @@ def _write_contents(tmp: Path, model, config, optimizers, trainer_state, tokeniz
     state = {"format_version": FORMAT_VERSION, "optimizers": opt_json, "rng": rng, "trainer": trainer_state}
     (tmp / STATE_JSON).write_text(json.dumps(state, indent=1, allow_nan=True))
     for f in tmp.iterdir():
-        _fsync(f)
+        fsync_path(f)
 
 
 # ---- load ------------------------------------------------------------------------------------------
