@@ -9,7 +9,8 @@ class EngineConfig:
     pools) and `max_num_seqs` KDA state slots. One step feeds at most `max_num_batched_tokens` tokens,
     a prefill chunk at most `max_prefill_chunk`. The prefix cache matches in units of `prefix_unit`
     tokens and keeps KDA snapshots within `snapshot_budget_bytes`, at most `snapshots_per_path` on one
-    conversation's chain."""
+    conversation's chain. `compile_decode` compiles the batch-1 decode step into one graph (a C++
+    compiler at run time, tens of seconds once; k3.infer.decode_step)."""
 
     page_size: int = 64
     num_pages: int = 512
@@ -21,6 +22,7 @@ class EngineConfig:
     prefix_unit: int = 64
     snapshot_budget_bytes: int = 1 << 30
     snapshots_per_path: int = 4
+    compile_decode: bool = False  # torch.compile the batch-1 decode step (k3.infer.decode_step)
 
     def __post_init__(self):
         for name in (

@@ -6,8 +6,9 @@ Pools, allocated once from the engine config:
 
 A step first applies the plan's page copies (copy-on-write) and slot restores/resets, then runs one
 forward per group of rows that feed the same number of tokens n, whatever their cached lengths (a ragged
-batch, k3.infer.paged_state): all decode rows (n == 1) go in one forward, and prefill chunks of equal
-size share one too. The model decodes with the absorbed MLA path and the KDA recurrence when n == 1 and
+batch, k3.infer.paged_state): all decode rows (n == 1) go in one `DecodeStep` (k3.infer.decode_step,
+compiled at batch 1 with `EngineConfig.compile_decode`), and prefill chunks of equal size share one
+forward too. The model decodes with the absorbed MLA path and the KDA recurrence when n == 1 and
 prefills with the chunked paths otherwise; MLA attention over a long cache streams the latents page
 block by page block (k3.model.mla, DENSE_MAX_SCORES).
 """
@@ -17,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from k3.infer.config import EngineConfig
+from k3.infer.decode_step import DecodeStep
 from k3.infer.media import embed_with_media
 from k3.infer.paged_state import PagedBatch, PagedMLAState
 from k3.infer.scheduler import StepPlan
@@ -45,6 +47,7 @@ class ModelRunner:
                 width = mc.kv_lora_rank + mc.qk_rope_head_dim
                 rows = config.num_pages * config.page_size
                 self.mla[i] = torch.zeros(rows, width, device=self.device, dtype=self.dtype)
+        self.decode = DecodeStep(self, compile=config.compile_decode)
         self.snapshot_nbytes = sum(
             t[0].numel() * t.element_size() for d in self.kda.values() for t in d.values()
         )
@@ -94,6 +97,9 @@ class ModelRunner:
     def _forward(self, seqs: list[Sequence], n: int) -> torch.Tensor:
         """B sequences with c_b cached tokens each, feeding n more -> logits [B, n or 1, V] fp32."""
         starts = [s.num_computed for s in seqs]
+        if n == 1 and not any(s.media for s in seqs):  # decode rows (and one-token prompt tails)
+            ids = [_tokens(s, c, c + 1)[0] for s, c in zip(seqs, starts, strict=True)]
+            return self.decode(ids, [s.slot for s in seqs], [s.block_table for s in seqs], starts)
         ids = torch.tensor(
             [_tokens(s, c, c + n) for s, c in zip(seqs, starts, strict=True)], device=self.device
         )

@@ -162,6 +162,8 @@ class MLAAttention(nn.Module):
         block-diagonal attention over packed documents (no state); positions [T] or [B, T]: RoPE positions
         (ablation only); absorb: force the dense absorbed (True) or naive (False) form -> y [B, T, D]."""
         B, T, _ = x.shape
+        if T == 1 and absorb is None and positions is None and hasattr(state, "decode_attention"):
+            return self._decode(x, state)
         if doc_ids is not None and (state is not None or doc_ids.shape != (B, T)):
             raise ValueError(f"doc_ids must be [B, T]=[{B}, {T}] and cannot be combined with a state")
         offset = 0 if state is None else state.length
@@ -186,7 +188,24 @@ class MLAAttention(nn.Module):
                 mask = None if T == 1 and doc_ids is None else causal_mask(T, S, x.device, doc_ids, doc_ids)
             absorb = (state is not None and T == 1) if absorb is None else absorb
             o = self._attend(q_nope, q_pe, latent, mask, absorb)
-        o = o.reshape(B, T, -1)
+        return self._output(x, o)
+
+    def _decode(self, x: torch.Tensor, state) -> torch.Tensor:
+        """One token per row, x [B, 1, D], over an engine state that stores the new latents and runs the
+        absorbed attention itself (`state.decode_attention`, e.g. k3.infer.paged_attention) -> [B, 1, D]."""
+        q_nope, q_pe = self._queries(x)
+        c_kv, k_pe = self._latents(x)
+        if self.use_rope:  # the new token sits at position c_b of its row
+            pos = state.lengths.to(x.device)[:, None]
+            q_pe = apply_rope(q_pe.transpose(1, 2), pos[:, None], self.rope_theta).transpose(1, 2)
+            k_pe = apply_rope(k_pe, pos, self.rope_theta)
+        w_uk, w_uv = self._absorbed_weights()
+        o = state.decode_attention(q_nope, q_pe, torch.cat([c_kv, k_pe], dim=-1), w_uk, w_uv, self.scale)
+        return self._output(x, o)
+
+    def _output(self, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+        """Attention output o [B, T, H, Dv] -> o_proj(o * sigmoid(g_proj(x))) [B, T, D]."""
+        o = o.reshape(*x.shape[:2], -1)
         if self.g_proj is not None:
             o = (o.float() * torch.sigmoid(self.g_proj(x).float())).to(o.dtype)
         return self.o_proj(o)

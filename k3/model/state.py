@@ -29,6 +29,14 @@ MLA layer (`MLAState`), R = kv_lora_rank, Dr = qk_rope_head_dim, L = R + Dr (lat
   Per forward the layer calls exactly one of append / write (it chooses by the size of the attention,
   k3.model.mla.DENSE_MAX_SCORES); either advances `length` (and `lengths`) by T.
 
+  Or, for one token per row (T == 1) only, a state may attend itself (the engine's paged decode state,
+  k3.infer.paged_attention, which a compiled decode step can trace without host reads):
+    reads   lengths                  long [B], row b's cached tokens c_b before this token
+    calls   decode_attention(q_nope [B, 1, H, Dn], q_pe [B, 1, H, Dr], new [B, 1, L], W_UK, W_UV, scale)
+            -> o [B, 1, H, Dv]: stores `new` as key c_b of row b and returns the absorbed attention of
+            the row's query over its keys 0..c_b (k3.ops.mla.mla_attention_absorbed)
+    A layer seeing `decode_attention` with T == 1 uses it instead of append / write.
+
 The dense `MLAState` keeps all rows at one length; ragged batches are the paged engine's (k3.infer).
 """
 

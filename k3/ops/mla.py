@@ -14,6 +14,7 @@ Three equal ways to compute the same attention:
 * `mla_attention_naive`    materializes k_nope/v per head (training, prefill);
 * `mla_attention_absorbed` folds W_UK into the query (q_lat = W_UK^T q_nope, [H, R]) and W_UV into the
   output, so it attends over the [S, R+Dr] latent directly: MQA with one shared 576-dim key (decode);
+  `mla_attention_latent` is the same over the cached [S, R+Dr] latents taken whole (decode);
 * `mla_attention_blockwise` is the absorbed form with an online softmax over key blocks, so [T, S] is
   never materialized (long-context prefill); `mla_attention_over_blocks` is its core, taking the keys as
   a stream of latent blocks (the engine reads them page by page from its pool, never gathering [S, R+Dr]).
@@ -110,6 +111,35 @@ def mla_attention_absorbed(
     p = _softmax_fp32(scores * scale, mask)
     o_lat = torch.einsum("bhts,bsr->bthr", p, c)  # [B, T, H, R]
     return torch.einsum("bthr,hvr->bthv", o_lat, w_uv.float()).to(c_kv.dtype)
+
+
+def mla_attention_latent(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    latent: torch.Tensor,
+    w_uk: torch.Tensor,
+    w_uv: torch.Tensor,
+    scale: float,
+    mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`mla_attention_absorbed` over whole latents (same maths, fewer ops: the decode fast path).
+
+    latent [B, S, R+Dr] = [c_kv | k_pe] as cached; the heads fold into query rows, so the scores are one
+    [B, H*T, R+Dr] x [B, S, R+Dr]^T batched matmul and the values one more. mask bool broadcastable to
+    [B, T, S] or None -> o [B, T, H, Dv] in the latent's dtype.
+    """
+    B, T, H, _ = q_nope.shape
+    R = w_uk.shape[-1]
+    q_lat = torch.matmul(q_nope.float().transpose(1, 2), w_uk.float())  # [B, H, T, R]
+    q = torch.cat([q_lat, q_pe.float().transpose(1, 2)], -1).view(B, H * T, -1)
+    lat = latent.float()
+    scores = torch.bmm(q, lat.mT).mul_(scale)  # [B, H*T, S]
+    if mask is not None:
+        keep = mask.expand(B, T, -1)[:, None].expand(B, H, T, -1).reshape(B, H * T, -1)
+        scores.masked_fill_(~keep, float("-inf"))
+    o_lat = torch.bmm(scores.softmax(-1), lat[..., :R])  # [B, H*T, R]
+    o = torch.matmul(o_lat.view(B, H, T, R), w_uv.float().mT)  # [B, H, T, Dv]
+    return o.transpose(1, 2).to(latent.dtype)
 
 
 def query_positions(T: int, S: int, q_offsets: torch.Tensor | None, device=None) -> torch.Tensor:

@@ -12,7 +12,8 @@ tokens of one optimizer step (all micro-batches).
   expert and runs each expert once on its contiguous slice. Same signature; both accumulate in fp32.
   `experts_active` (one GLU call for all slots; decode skips the sort) is the inference fast path and
   `experts_auto` (the modules' default) picks it or grouped; `experts_padded` runs all experts as batched
-  matmuls over a capacity-padded layout (for accelerators).
+  matmuls over a capacity-padded layout (for accelerators); `experts_gathered` copies the chosen
+  experts' weights and needs no host read (what a compiled decode step traces).
 * `quantile_balance_bias` — Quantile Balancing (SPEC §4.1), the exact single-process form; see docs/moe.md
   for the derivation and the rule for a non-integer target load q = m·k/E.
 * `sign_update_bias` — DeepSeek-V3's auxiliary-loss-free sign update, the ablation alternative.
@@ -187,6 +188,20 @@ def experts_active(z, weights, indices, w1, w2, w3, act: GLUFn) -> torch.Tensor:
     return out.to(z.dtype)
 
 
+def experts_gathered(z, weights, indices, w1, w2, w3, act: GLUFn) -> torch.Tensor:
+    """Fast path without host reads, same signature and result as `experts_naive`: copies the chosen
+    experts' weights ([T·k, I, Dl] each of w1, w3, w2) and runs three batched matmuls, one row per
+    token-slot. Static shapes and no data-dependent Python, so `torch.compile` traces it whole (the
+    compiled decode step, k3.infer.decode_step); the copies make it a path for a few slots only."""
+    _check_experts(z, weights, indices, w1, w2, w3)
+    T, k = indices.shape
+    flat = indices.reshape(-1)
+    x = z[:, None, None, :].expand(T, k, 1, z.shape[1]).reshape(T * k, 1, z.shape[1])  # [T*k, 1, Dl]
+    h = act(torch.bmm(x, w1[flat].mT), torch.bmm(x, w3[flat].mT))  # [T*k, 1, I]
+    y = torch.bmm(h, w2[flat].mT).view(T, k, -1)  # [T, k, Dl]
+    return (y.float() * weights.float()[..., None]).sum(1).to(z.dtype)
+
+
 def _slot_layout(indices: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, int]:
     """indices [T, k] -> (order [T·k] slot ids grouped by expert, dest [T·k] row of each sorted slot in
     the padded [E·C] layout, C the largest expert load). One host read (C)."""
@@ -224,9 +239,12 @@ def experts_padded(z, weights, indices, w1, w2, w3, act: GLUFn) -> torch.Tensor:
 def experts_auto(z, weights, indices, w1, w2, w3, act: GLUFn) -> torch.Tensor:
     """The fastest exact path by size and mode (same signature and result as `experts_naive`): with
     autograd, or when the slots' [T·k, I] activations outgrow ACTIVE_MAX_ELEMENTS, `experts_grouped`
-    (its per-expert GLU stays in cache); otherwise `experts_active` (decode, short prefill chunks)."""
+    (its per-expert GLU stays in cache); otherwise `experts_active` (decode, short prefill chunks), or
+    `experts_gathered` while torch.compile traces (no host reads: the compiled decode step)."""
     _check_experts(z, weights, indices, w1, w2, w3)
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (z, weights, w1, w2, w3))
+    if torch.compiler.is_compiling() and not needs_grad:
+        return experts_gathered(z, weights, indices, w1, w2, w3, act)
     if needs_grad or indices.numel() * w1.shape[1] > ACTIVE_MAX_ELEMENTS:
         return experts_grouped(z, weights, indices, w1, w2, w3, act)
     return experts_active(z, weights, indices, w1, w2, w3, act)
@@ -237,6 +255,7 @@ EXPERT_IMPLS = {
     "grouped": experts_grouped,
     "active": experts_active,
     "padded": experts_padded,
+    "gathered": experts_gathered,
     "auto": experts_auto,
 }
 

@@ -8,7 +8,9 @@ from k3.ops.mla import (
     expand_pays,
     mla_attention_absorbed,
     mla_attention_blockwise,
+    mla_attention_latent,
     mla_attention_naive,
+    ragged_causal_mask,
     split_kv_b,
 )
 from k3.ops.rope import apply_rope
@@ -53,6 +55,21 @@ def test_absorbed_equals_naive(B, T, S):
     got = mla_attention_absorbed(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, scale, mask)
     assert got.shape == (B, T, H, DV)
     assert_close("absorbed", ref, got, 1e-5)
+
+
+@pytest.mark.parametrize("B,T,S", [(2, 5, 5), (2, 1, 9), (1, 4, 11)], ids=lambda v: f"{v}")
+def test_latent_form_equals_naive(B, T, S):
+    """mla_attention_latent takes the cached [c_kv | k_pe] rows whole; with a causal or ragged mask."""
+    q_nope, q_pe, c_kv, k_pe, kv_b = _inputs(B, T, S)
+    scale = (DN + DR) ** -0.5
+    w_uk, w_uv = split_kv_b(kv_b, H, DN, DV)
+    latent = torch.cat([c_kv, k_pe], -1)
+    ragged = ragged_causal_mask(torch.tensor([S - T, S - T - 1][:B]).clamp(min=0), T, S)
+    for mask in (causal_mask(T, S), ragged):
+        ref = _naive_from_latent(q_nope, q_pe, c_kv, k_pe, kv_b, scale, mask)
+        got = mla_attention_latent(q_nope, q_pe, latent, w_uk, w_uv, scale, mask)
+        assert got.shape == (B, T, H, DV)
+        assert_close("latent", ref, got, 1e-5)
 
 
 @pytest.mark.parametrize("T,S,block", [(7, 7, 3), (3, 10, 4), (6, 6, 64), (1, 9, 2)], ids=lambda v: f"{v}")

@@ -1,11 +1,19 @@
-"""MoE inference fast paths (experts_active, experts_padded, experts_auto) against experts_naive."""
+"""MoE inference fast paths (experts_active, experts_padded, experts_gathered, experts_auto) against
+experts_naive."""
 
 import pytest
 import torch
 
 from k3.ops import moe
 from k3.ops.glu import situ_glu, swiglu
-from k3.ops.moe import experts_active, experts_auto, experts_grouped, experts_naive, experts_padded
+from k3.ops.moe import (
+    experts_active,
+    experts_auto,
+    experts_gathered,
+    experts_grouped,
+    experts_naive,
+    experts_padded,
+)
 
 
 def _case(T, k, E=8, I=16, Dl=12, seed=0, skew=False):
@@ -21,7 +29,7 @@ def _case(T, k, E=8, I=16, Dl=12, seed=0, skew=False):
     return z, weights, idx, w
 
 
-@pytest.mark.parametrize("fn", [experts_active, experts_padded, experts_auto])
+@pytest.mark.parametrize("fn", [experts_active, experts_padded, experts_gathered, experts_auto])
 @pytest.mark.parametrize(
     ("T", "k", "skew"), [(1, 2, False), (1, 8, False), (5, 3, False), (64, 2, False), (33, 2, True)]
 )
@@ -102,3 +110,14 @@ def test_latent_moe_inference_matches_training_path(T):
         fast = layer(h)  # experts_active and the fused norm
     torch.testing.assert_close(fast, ref, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(fast, naive, rtol=1e-5, atol=1e-5)
+
+
+def test_auto_takes_the_gathered_path_while_compiling(monkeypatch):
+    """Under torch.compile tracing, experts_auto must not read the indices on the host."""
+    z, weights, idx, w = _case(1, 2)
+    calls = []
+    monkeypatch.setattr(moe.torch.compiler, "is_compiling", lambda: True)
+    monkeypatch.setattr(moe, "experts_active", lambda *a: calls.append("active"))
+    got = experts_auto(z, weights, idx, *w, situ_glu)
+    assert not calls
+    torch.testing.assert_close(got, experts_naive(z, weights, idx, *w, situ_glu), rtol=1e-5, atol=1e-5)
