@@ -12,9 +12,10 @@ same thing after this call, so prefill -> decode and chunked prefill chain exact
 The math runs in fp32 (the weights are fp32 in the checkpoint); y is cast back to u's dtype and the
 state is kept in u's dtype (the model dtype).
 
-`causal_conv1d` (F.conv1d over the history-padded sequence; packed documents are separated by their own
-W-1 history columns so nothing crosses a boundary) and `causal_conv1d_update` (one decode step) are the
-fast paths; `causal_conv1d_ref` is the plain per-token loop with the same signature that tests compare to.
+`causal_conv1d` (W shifted multiply-adds over the history-padded sequence, token-major; packed documents
+go through F.conv1d, separated by their own W-1 history columns so nothing crosses a boundary) and
+`causal_conv1d_update` (one decode step) are the fast paths; `causal_conv1d_ref` is the plain per-token
+loop with the same signature that tests compare to.
 """
 
 import torch
@@ -53,6 +54,18 @@ def _conv_silu(x_BCL: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype
     return F.silu(y).transpose(1, 2).to(out_dtype)
 
 
+def _shifted_conv_silu(x_BLC: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """Valid depthwise conv over x [B, L, C] as W shifted multiply-adds -> SiLU -> [B, L-W+1, C] in
+    out_dtype. Token-major throughout: the output is contiguous [B, T, C] (what the KDA projections
+    downstream read), with no transposes around a channels-first conv."""
+    W, T = weight.shape[-1], x_BLC.shape[1] - weight.shape[-1] + 1
+    x, w = x_BLC.float(), weight[:, 0].float().t().contiguous()  # w [W, C]: rows contiguous (vectorised)
+    y = x[:, :T] * w[0]
+    for j in range(1, W):
+        y = y.addcmul_(x[:, j : j + T], w[j])  # in place is autograd-safe: no op here saves y
+    return F.silu(y).to(out_dtype)
+
+
 def causal_conv1d(
     u: torch.Tensor,
     weight: torch.Tensor,
@@ -64,8 +77,8 @@ def causal_conv1d(
     B, T, C = _check(u, weight, cu_seqlens)
     W = weight.shape[-1]
     if cu_seqlens is None:
-        x = torch.cat([_history(initial_state, B, u, W), u.transpose(1, 2)], dim=2)  # [B, C, W-1+T]
-        return _conv_silu(x, weight, u.dtype), x[:, :, x.shape[2] - (W - 1) :]
+        x = torch.cat([_history(initial_state, B, u, W).transpose(1, 2), u], dim=1)  # [B, W-1+T, C]
+        return _shifted_conv_silu(x, weight, u.dtype), x[:, T:].transpose(1, 2)
     # Packed documents: give every document its own W-1 history columns in one padded sequence.
     N = cu_seqlens.numel() - 1
     lens = (cu_seqlens[1:] - cu_seqlens[:-1]).long()

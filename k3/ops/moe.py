@@ -153,6 +153,7 @@ def experts_grouped(z, weights, indices, w1, w2, w3, act: GLUFn) -> torch.Tensor
     return out.to(z.dtype)
 
 
+GATHER_MAX_SLOTS = 64  # `experts_auto` under torch.compile: copies chosen weights for this many slots at most
 ACTIVE_MAX_ELEMENTS = 1 << 18  # `experts_auto`: one GLU over all slots while [T·k, I] stays this small
 
 
@@ -240,10 +241,10 @@ def experts_auto(z, weights, indices, w1, w2, w3, act: GLUFn) -> torch.Tensor:
     """The fastest exact path by size and mode (same signature and result as `experts_naive`): with
     autograd, or when the slots' [T·k, I] activations outgrow ACTIVE_MAX_ELEMENTS, `experts_grouped`
     (its per-expert GLU stays in cache); otherwise `experts_active` (decode, short prefill chunks), or
-    `experts_gathered` while torch.compile traces (no host reads: the compiled decode step)."""
+    `experts_gathered` while torch.compile traces a few slots (no host reads: the compiled decode step)."""
     _check_experts(z, weights, indices, w1, w2, w3)
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (z, weights, w1, w2, w3))
-    if torch.compiler.is_compiling() and not needs_grad:
+    if torch.compiler.is_compiling() and not needs_grad and indices.numel() <= GATHER_MAX_SLOTS:
         return experts_gathered(z, weights, indices, w1, w2, w3, act)
     if needs_grad or indices.numel() * w1.shape[1] > ACTIVE_MAX_ELEMENTS:
         return experts_grouped(z, weights, indices, w1, w2, w3, act)
