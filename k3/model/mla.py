@@ -15,11 +15,11 @@ comes only from the KDA layers. `mla_use_nope=False` is the K2-style ablation: q
 (k3.ops.rope) by the token's position (within its document when `doc_ids` is given, else the cache offset
 plus arange(T), or explicit `positions`). Latent norm eps is `config.latent_norm_eps` (SPEC §8.2).
 
-Attention paths (k3.ops.mla), all equal: naive (materialized per-head K/V; training, prefill), absorbed
-(W_UK folded into the query, W_UV into the output, attending over the latent; decode) and streaming
-(online softmax over latent blocks read one at a time from the state; long contexts; each block
-absorbed, or up-projected to per-head keys/values when the chunk is long enough for that to need fewer
-multiply-adds, k3.ops.mla.expand_pays). With a
+Attention paths (k3.ops.mla), all equal: naive (materialized per-head K/V, computed in causal query
+blocks by `mla_attention_causal`; training, prefill), absorbed (W_UK folded into the query, W_UV into the
+output, attending over the latent; decode) and streaming (online softmax over latent blocks read one at
+a time from the state; long contexts; each block absorbed, or up-projected to per-head keys/values when
+the chunk is long enough for that to need fewer multiply-adds, k3.ops.mla.expand_pays). With a
 state the new latents are stored and the queries attend causally over cache + new tokens:
 
 * dense (the state's `append` returns all S latents, one [B, H, T, S] score tensor): when the attention
@@ -45,6 +45,7 @@ from k3.ops.mla import (
     causal_mask,
     expand_pays,
     mla_attention_absorbed,
+    mla_attention_causal,
     mla_attention_naive,
     mla_attention_over_blocks,
     query_positions,
@@ -130,7 +131,9 @@ class MLAAttention(nn.Module):
             return mla_attention_absorbed(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, self.scale, mask)
         kv = self.kv_b_proj(c_kv).view(*c_kv.shape[:2], self.num_heads, self.nope_dim + self.v_dim)
         k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
-        return mla_attention_naive(q_nope, q_pe, k_nope, k_pe, v, self.scale, mask)
+        if mask is None:
+            return mla_attention_naive(q_nope, q_pe, k_nope, k_pe, v, self.scale, mask)
+        return mla_attention_causal(q_nope, q_pe, k_nope, k_pe, v, self.scale, mask)
 
     def _absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         return split_kv_b(self.kv_b_proj.weight, self.num_heads, self.nope_dim, self.v_dim)

@@ -11,7 +11,8 @@ Every key/value is a function of one per-token latent: the normed `c_kv` [R] plu
 
 Three equal ways to compute the same attention:
 
-* `mla_attention_naive`    materializes k_nope/v per head (training, prefill);
+* `mla_attention_naive`    materializes k_nope/v per head (the reference); `mla_attention_causal` is the
+  same by query blocks that skip the masked keys (training, prefill);
 * `mla_attention_absorbed` folds W_UK into the query (q_lat = W_UK^T q_nope, [H, R]) and W_UV into the
   output, so it attends over the [S, R+Dr] latent directly: MQA with one shared 576-dim key (decode);
   `mla_attention_latent` is the same over the cached [S, R+Dr] latents taken whole (decode);
@@ -77,6 +78,47 @@ def mla_attention_naive(
     scores = scores + torch.einsum("bthd,bsd->bhts", q_pe.float(), k_pe.float())
     p = _softmax_fp32(scores * scale, mask)
     return torch.einsum("bhts,bshd->bthd", p, v.float()).to(v.dtype)
+
+
+CAUSAL_BLOCK_SCORES = 1 << 17  # `mla_attention_causal`: score elements per query block (512 KB fp32, an L2)
+
+
+def mla_attention_causal(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    k_nope: torch.Tensor,
+    k_pe: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    mask: torch.Tensor,
+    block: int | None = None,
+) -> torch.Tensor:
+    """`mla_attention_naive` for a causal mask, by query blocks (same result; the prefill path).
+
+    Shapes as in `mla_attention_naive`; `mask` [B or 1, T, S] must be causal in the cache convention
+    (query t never sees a key past S - T + t; a ragged or document mask only hides more). Query block
+    [a, b) then attends keys [0, S - T + b) only: the fully masked upper-right part of the scores is never
+    computed (~half of them at T == S), and each block's [B, H, block, <= S] scores stay in cache across
+    the matmul, mask, softmax and matmul over them. `block` (queries per block) defaults to the largest
+    multiple of 16 whose scores fit CAUSAL_BLOCK_SCORES, at least 64. The nope and rope parts of the
+    query and key are concatenated, so each block's scores are one matmul (the scale folded into q).
+    """
+    B, T, H, _ = q_nope.shape
+    S = k_nope.shape[1]
+    if block is None:
+        block = max(64, CAUSAL_BLOCK_SCORES // (B * H * S) // 16 * 16)
+    q = (torch.cat([q_nope.float(), q_pe.float()], -1) * scale).transpose(1, 2)  # [B, H, T, Dn+Dr]
+    k_pe = k_pe.float()[:, :, None].expand(-1, -1, H, -1)
+    k = torch.cat([k_nope.float(), k_pe], -1).transpose(1, 2)  # [B, H, S, Dn+Dr]
+    vf = v.float().transpose(1, 2)  # [B, H, S, Dv]
+    outs = []
+    for a in range(0, T, block):
+        b = min(T, a + block)
+        keys = S - T + b
+        scores = q[:, :, a:b] @ k[:, :, :keys].mT  # [B, H, b - a, keys]
+        scores = scores.masked_fill_(~mask[:, None, a:b, :keys], float("-inf"))
+        outs.append(scores.softmax(-1) @ vf[:, :, :keys])  # [B, H, b - a, Dv]
+    return torch.cat(outs, 2).transpose(1, 2).to(v.dtype)
 
 
 def split_kv_b(kv_b_weight: torch.Tensor, H: int, Dn: int, Dv: int) -> tuple[torch.Tensor, torch.Tensor]:
