@@ -7,10 +7,11 @@ Pools, allocated once from the engine config:
 A step first applies the plan's page copies (copy-on-write) and slot restores/resets, then runs one
 forward per group of rows that feed the same number of tokens n, whatever their cached lengths (a ragged
 batch, k3.infer.paged_state): all decode rows (n == 1) go in one `DecodeStep` (k3.infer.decode_step,
-compiled at batch 1 with `EngineConfig.compile_decode`), and prefill chunks of equal size share one
-forward too. The model decodes with the absorbed MLA path and the KDA recurrence when n == 1 and
-prefills with the chunked paths otherwise; MLA attention over a long cache streams the latents page
-block by page block (k3.model.mla, DENSE_MAX_SCORES).
+compiled at batch 1 with `EngineConfig.compile`), and prefill chunks of equal size share one forward
+too. With `EngineConfig.compile` the SiTU activations run fused (k3.ops.glu.fused_activations). The
+model decodes with the absorbed MLA path and the KDA recurrence when n == 1 and prefills with the chunked
+paths otherwise; MLA attention over a long cache streams the latents page block by page block
+(k3.model.mla, DENSE_MAX_SCORES).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from k3.infer.paged_state import PagedBatch, PagedMLAState
 from k3.infer.scheduler import StepPlan
 from k3.infer.sequence import Sequence
 from k3.model.state import KDAState
+from k3.ops.glu import fused_activations
 
 _KDA_FIELDS = ("conv_q", "conv_k", "conv_v", "recurrent")
 
@@ -47,7 +49,7 @@ class ModelRunner:
                 width = mc.kv_lora_rank + mc.qk_rope_head_dim
                 rows = config.num_pages * config.page_size
                 self.mla[i] = torch.zeros(rows, width, device=self.device, dtype=self.dtype)
-        self.decode = DecodeStep(self, compile=config.compile_decode)
+        self.decode = DecodeStep(self, compile=config.compile)
         self.snapshot_nbytes = sum(
             t[0].numel() * t.element_size() for d in self.kda.values() for t in d.values()
         )
@@ -88,7 +90,8 @@ class ModelRunner:
             groups.setdefault(n, []).append(j)
         out: list[torch.Tensor | None] = [None] * len(plan.items)
         for n, rows in groups.items():
-            logits = self._forward([plan.items[j][0] for j in rows], n)
+            with fused_activations(self.config.compile):
+                logits = self._forward([plan.items[j][0] for j in rows], n)
             logits = logits.cpu()  # sampling and its generators live on the CPU
             for r, j in enumerate(rows):
                 out[j] = logits[r]

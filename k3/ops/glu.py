@@ -10,6 +10,9 @@ input, which bounds the activations that reach the down projection (and its MXFP
 Shapes: `gate`, `up` [..., I] -> [..., I].
 """
 
+import contextlib
+import contextvars
+import warnings
 from collections.abc import Callable
 from functools import partial
 
@@ -40,13 +43,89 @@ def situ_glu_inplace(
     return a.mul_(torch.div(u, beta2).tanh_().mul_(beta2)).to(gate.dtype)
 
 
+# odd Taylor coefficients of tanh(y) / y in y^2 up to y^10: below |y| = 0.3 the next term is < 6e-8 relative
+_TANH_SERIES = (1.0, -1 / 3, 2 / 15, -17 / 315, 62 / 2835, -1382 / 155925)
+_SERIES_MAX = 0.3
+_EXP_CAP = 60.0  # e^60 keeps (1 - e) / (1 + e) finite (-1) and sends 1 / (1 + e^2) to 0 without inf/inf
+
+
+def _tanh_from_exp(y: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+    """tanh(y) given e = exp(-2y): (1 - e) / (1 + e), or the odd series near 0 where that cancels."""
+    y2 = y * y
+    series = _TANH_SERIES[-1]
+    for c in reversed(_TANH_SERIES[:-1]):
+        series = series * y2 + c
+    return torch.where(y.abs() < _SERIES_MAX, y * series, (1 - e) / (1 + e))
+
+
+def situ_glu_fused(
+    gate: torch.Tensor, up: torch.Tensor, beta1: float = 4.0, beta2: float = 25.0
+) -> torch.Tensor:
+    """`situ_glu_reference` written for a fusing compiler: two exponentials per element instead of two
+    tanh and a sigmoid (tanh is ~4x a sigmoid on the CPUs we measure), within ~1e-6 relative of it.
+
+    With e = exp(-g/2): σ(g) = 1 / (1 + e²) and tanh(g/β₁) = tanh(y), y = g/β₁, from exp(-2y) = e when
+    β₁ = 4 (else its own exponential); near 0 tanh comes from its odd series, since (1 - e) / (1 + e)
+    cancels there. Exponents are capped at 60 so saturated inputs give the exact limits, never inf/inf.
+    Eager, its ~40 small ops are slower than the reference; `torch.compile` fuses them into one loop
+    (k3-tiny expert activations [2048, 256], one thread: 2.1 vs 6.4 ms)."""
+    g, u = gate.float(), up.float()
+    e = torch.exp((g * -0.5).clamp(max=_EXP_CAP))
+    sig = 1 / (1 + e * e)
+    y = g / beta1
+    e_y = e if beta1 == 4.0 else torch.exp((y * -2).clamp(max=_EXP_CAP))
+    z = u / beta2
+    e_z = torch.exp((z * -2).clamp(max=_EXP_CAP))
+    out = (beta1 * _tanh_from_exp(y, e_y) * sig) * (beta2 * _tanh_from_exp(z, e_z))
+    return out.to(gate.dtype)
+
+
+FUSED_MIN_ELEMENTS = 1 << 15  # smaller inputs stay eager: a compiled call costs ~0.2 ms of guards and glue
+_FUSED = contextvars.ContextVar("k3_fused_activations", default=False)
+_COMPILED: list = []  # [torch.compile(situ_glu_fused)] once built; [None] after it failed
+
+
+@contextlib.contextmanager
+def fused_activations(enabled: bool = True):
+    """Within the block, SiTU-GLU without autograd runs `situ_glu_fused` compiled by torch.compile
+    (built on first use, dynamic shapes; a failure to compile warns once and leaves the eager path).
+    The engine's prefill uses it when `EngineConfig.compile` is set."""
+    token = _FUSED.set(enabled)
+    try:
+        yield
+    finally:
+        _FUSED.reset(token)
+
+
+def fused_activations_enabled() -> bool:
+    return _FUSED.get() and (not _COMPILED or _COMPILED[0] is not None)
+
+
+def _situ_compiled(gate, up, beta1, beta2) -> torch.Tensor | None:
+    if not _COMPILED:
+        _COMPILED.append(torch.compile(situ_glu_fused, dynamic=True, fullgraph=True))
+    try:
+        return _COMPILED[0](gate, up, beta1, beta2)
+    except Exception as e:  # noqa: BLE001 - e.g. no C++ compiler: stay eager from now on
+        warnings.warn(f"fused SiTU disabled, running eagerly: {type(e).__name__}: {e}", stacklevel=3)
+        _COMPILED[0] = None
+        return None
+
+
 def situ_glu(gate: torch.Tensor, up: torch.Tensor, beta1: float = 4.0, beta2: float = 25.0) -> torch.Tensor:
     """SiTU-GLU: β₁·tanh(g/β₁)·σ(g) · β₂·tanh(u/β₂), in fp32, cast back to `gate.dtype`.
 
-    Takes `situ_glu_inplace` when no gradient is needed (inference), else `situ_glu_reference`; both
-    give identical values."""
+    Takes `situ_glu_reference` when a gradient is needed; without one, `situ_glu_inplace` (identical
+    values), or `situ_glu_fused` (to ~1e-6) while torch.compile traces the caller or, compiled on its
+    own, inside `fused_activations()`."""
     if torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad):
         return situ_glu_reference(gate, up, beta1, beta2)
+    if torch.compiler.is_compiling():
+        return situ_glu_fused(gate, up, beta1, beta2)
+    if gate.numel() >= FUSED_MIN_ELEMENTS and fused_activations_enabled():
+        out = _situ_compiled(gate, up, beta1, beta2)
+        if out is not None:
+            return out
     return situ_glu_inplace(gate, up, beta1, beta2)
 
 

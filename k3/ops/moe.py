@@ -24,7 +24,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from k3.ops.glu import GLUFn
+from k3.ops.glu import GLUFn, fused_activations_enabled
 
 RENORM_EPS = 1e-20  # as in the release: p_i = s_i / (Σ_topk s + 1e-20)
 
@@ -246,7 +246,8 @@ def experts_auto(z, weights, indices, w1, w2, w3, act: GLUFn) -> torch.Tensor:
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (z, weights, w1, w2, w3))
     if torch.compiler.is_compiling() and not needs_grad and indices.numel() <= GATHER_MAX_SLOTS:
         return experts_gathered(z, weights, indices, w1, w2, w3, act)
-    if needs_grad or indices.numel() * w1.shape[1] > ACTIVE_MAX_ELEMENTS:
+    limit = ACTIVE_MAX_ELEMENTS * (4 if fused_activations_enabled() else 1)  # one fused GLU call pays more
+    if needs_grad or indices.numel() * w1.shape[1] > limit:
         return experts_grouped(z, weights, indices, w1, w2, w3, act)
     return experts_active(z, weights, indices, w1, w2, w3, act)
 

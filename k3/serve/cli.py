@@ -19,8 +19,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--compile",
         action="store_true",
-        help="compile the batch-1 decode step with torch.compile (needs a C++ compiler; done at start-up, "
-        "tens of seconds; ~2.8x faster single-stream decode of k3-tiny on a CPU, docs/serving.md)",
+        help="torch.compile the batch-1 decode step and the prefill activations (needs a C++ compiler; done "
+        "at start-up, tens of seconds; k3-tiny on a CPU: ~2.8x faster single-stream decode, docs/serving.md)",
     )
     parser.add_argument(
         "--dequantize",
@@ -48,7 +48,7 @@ def build_engine(args):
     cfg = EngineConfig(page_size=args.page_size, prefix_unit=min(64, args.page_size), num_pages=pages,
                        max_num_seqs=args.max_num_seqs, max_model_len=n,
                        enable_prefix_cache=not args.no_prefix_cache,
-                       compile_decode=getattr(args, "compile", False))  # fmt: skip
+                       compile=getattr(args, "compile", False))  # fmt: skip
     from k3.vision.serving import is_vl_checkpoint, load_vl_engine
 
     if is_vl_checkpoint(args.checkpoint):  # images through the chat API (k3.vision.serving)
@@ -57,7 +57,7 @@ def build_engine(args):
         engine = load_engine(args.checkpoint, cfg, args.device, dequantize=args.dequantize)
     if engine.tokenizer is None:
         raise ValueError(f"checkpoint {args.checkpoint!r} has no tokenizer files (tokenizer_config.json)")
-    if cfg.compile_decode:
+    if cfg.compile:
         warm_up(engine)
     return engine
 

@@ -20,7 +20,7 @@ GREEDY = SamplingParams(max_tokens=24, ignore_eos=True, logprobs=3)
 
 @pytest.fixture(scope="module")
 def compiled(nano):
-    return Engine(nano, EngineConfig(**CFG, compile_decode=True))
+    return Engine(nano, EngineConfig(**CFG, compile=True))
 
 
 def run(engine, prompts):
@@ -58,7 +58,7 @@ def test_failed_compile_falls_back_to_eager_with_a_warning(nano, prompt, monkeyp
         return call
 
     monkeypatch.setattr(decode_step_mod.torch, "compile", broken)
-    engine = Engine(nano, EngineConfig(**CFG, compile_decode=True))
+    engine = Engine(nano, EngineConfig(**CFG, compile=True))
     with pytest.warns(UserWarning, match="compiled decode disabled.*no C\\+\\+ compiler"):
         got = run(engine, [prompt(20, 5)])[0].output
     assert got == run(Engine(nano, EngineConfig(**CFG)), [prompt(20, 5)])[0].output

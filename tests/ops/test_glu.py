@@ -1,10 +1,20 @@
-"""SiTU-GLU and SwiGLU (SPEC §3.6): bound, β → ∞ limit, dtype handling, finite gradients."""
+"""SiTU-GLU and SwiGLU (SPEC §3.6): bound, β → ∞ limit, dtype handling, finite gradients; the fused
+(exp-based, compiled) SiTU against float64 and the reference."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from k3.ops.glu import glu_fn, situ_glu, situ_glu_inplace, situ_glu_reference, swiglu
+from k3.ops import glu
+from k3.ops.glu import (
+    fused_activations,
+    glu_fn,
+    situ_glu,
+    situ_glu_fused,
+    situ_glu_inplace,
+    situ_glu_reference,
+    swiglu,
+)
 
 
 def _inputs(n=4096, scale=10.0, dtype=torch.float32, seed=0):
@@ -85,3 +95,51 @@ def test_situ_dispatch_keeps_autograd():
     out.sum().backward()
     want = torch.autograd.grad(situ_glu_reference(gate, up).sum(), gate)[0]
     assert torch.equal(gate.grad, want)
+
+
+def _situ_f64(gate, up, beta1=4.0, beta2=25.0):
+    g, u = gate.double(), up.double()
+    return beta1 * torch.tanh(g / beta1) * torch.sigmoid(g) * beta2 * torch.tanh(u / beta2)
+
+
+EDGES = [0.0, -0.0, 1e-30, -1e-30, 1e-8, 0.29, 0.31, 1.2, 1.21, -1.2, 88.0, -88.0, 200.0, -200.0, 1e30, -1e30]
+
+
+@pytest.mark.parametrize("betas", [(4.0, 25.0), (2.0, 3.0)], ids=["release", "other"])
+def test_situ_fused_matches_float64_like_the_reference(betas):
+    """situ_glu_fused (exp-based, series near 0) is as close to the float64 truth as the reference."""
+    gate, up = _inputs(n=1 << 16, scale=6.0)
+    truth = _situ_f64(gate, up, *betas)
+    err = lambda out: ((out.double() - truth).abs() / truth.abs().clamp(min=1e-3)).max().item()  # noqa: E731
+    assert err(situ_glu_fused(gate, up, *betas)) < max(2e-6, 2 * err(situ_glu_reference(gate, up, *betas)))
+    edge = torch.tensor(EDGES + [float("inf"), float("-inf")])
+    g, u = edge.repeat_interleave(len(edge)), edge.repeat(len(edge))  # every pair of edge values
+    ref, got = situ_glu_reference(g, u, *betas), situ_glu_fused(g, u, *betas)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, ref, rtol=2e-6, atol=1e-30)
+
+
+def test_fused_activations_compile_large_inputs_only():
+    gate, up = _inputs(n=1 << 16, scale=6.0)
+    small_g, small_u = gate[:100], up[:100]
+    with torch.no_grad(), fused_activations():
+        big = situ_glu(gate, up)  # compiled (first use builds it)
+        small = situ_glu(small_g, small_u)
+    assert glu._COMPILED and glu._COMPILED[0] is not None
+    torch.testing.assert_close(big, situ_glu_reference(gate, up), rtol=2e-6, atol=1e-6)
+    assert torch.equal(small, situ_glu_inplace(small_g, small_u))  # below FUSED_MIN_ELEMENTS: eager
+    with torch.no_grad():
+        assert torch.equal(situ_glu(gate, up), situ_glu_inplace(gate, up))  # outside the block: eager
+
+
+def test_fused_activations_fall_back_when_compiling_fails(monkeypatch):
+    def broken(*a):
+        raise RuntimeError("no C++ compiler")
+
+    monkeypatch.setattr(glu, "_COMPILED", [broken])
+    gate, up = _inputs(n=1 << 16)
+    with torch.no_grad(), fused_activations():
+        with pytest.warns(UserWarning, match="fused SiTU disabled"):
+            out = situ_glu(gate, up)
+        assert not glu.fused_activations_enabled()
+    assert torch.equal(out, situ_glu_inplace(gate, up))
