@@ -153,7 +153,7 @@ def _forward(q, k, v, g, beta, h0, plan):
             A_qk, A_kk, X = (t[c0:c1].flatten(0, 1) for t in saved[2:])
         else:
             states, v_new = ws.get("states", q, G + 1, BH, K, V), ws.get("v_new", q, G, BH, C, V)
-            A_qk, A_kk = ws.get("A_qk", q, M, C, C), ws.get("A_kk", q, M, C, C)
+            A_qk, A_kk = ws.get("A_qk", q, M, C, C), None if plan.halves else ws.get("A_kk", q, M, C, C)
             X = ws.get("X", q, M, C, V + K)
         qg, k_dec, decay = _local(x, plan, A_qk, A_kk, X, ws)
         # per-chunk [BH, ...] views, made once per group (the loop is dispatch-bound)

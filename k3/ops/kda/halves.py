@@ -26,7 +26,7 @@ import torch
 
 from k3.ops.kda.prep import L2NORM_EPS
 from k3.ops.kda.scratch import Workspace
-from k3.ops.kda.solve import unit_lower_solve_
+from k3.ops.kda.solve import unit_lower_solve_blocks_
 
 MAX_HALF_DECAY = 140.0  # factors >= e^-70 keep q, k components down to ~e^-17 of the largest normal
 EXP_FLOOR = -87.0  # e^-87 ~ 1.6e-38 is still a normal fp32 number
@@ -44,7 +44,8 @@ def halves_fit(g: torch.Tensor, l2norm: bool, scale: float) -> bool:
 
 def halves_local(q, k, v, g, beta, scale: float, A_qk, A_kk, X, ws: Workspace):
     """Raw fp32 q, k, g [G, BH, C, K], v [G, BH, C, V], beta [G, BH, C] (any strides: the chunked views
-    of the caller's tensors) -> fills A_qk, A_kk [M, C, C] and X = [U | W] [M, C, V + K] (M = G BH);
+    of the caller's tensors) -> fills A_qk and X = [U | W] [M, C, V + K] (M = G BH), and A_kk [M, C, C]
+    unless it is None (only its strictly lower triangle is meaningful: what the backward's solve reads);
     returns qg = exp(Γ) q, k_dec = exp(Γ_C - Γ) k [M, C, K] and the chunk retention exp(Γ_C) [M, K]."""
     G, BH, C, K = q.shape
     M, V, h = G * BH, v.shape[-1], C // 2
@@ -68,7 +69,12 @@ def halves_local(q, k, v, g, beta, scale: float, A_qk, A_kk, X, ws: Workspace):
     torch.mul(cols[:, :, 0, 0], e_half[:, :, 0], out=cols[:, :, 1, 0]).mul_(e_half[:, :, 1])
     cols[:, :, 0, 1] = 0
     A = torch.bmm(rows.view(2 * M, 2 * h, K), cols.view(2 * M, C, K).mT, out=ws.get("A", q, 2 * M, 2 * h, C))
-    _causal_split(A.view(M, 2, 2, h, C), A_qk.view(M, 2, h, C), A_kk.view(M, 2, h, C))
+    A = A.view(M, 2, 2, h, C)
+    causal, _ = _masks(h, q.device)  # A_qk's products above the diagonal can overflow: `where` drops them
+    torch.where(causal, A[:, :, 0], A.new_zeros(()), out=A_qk.view(M, 2, h, C))
+    A_k = A[:, :, 1]  # [M, 2, h, C]: the solve reads only below the diagonal, so no mask is needed there
+    if A_kk is not None:
+        A_kk.view(M, 2, h, C).copy_(A_k)
     # exp(Γ_i) = exp(Γ_i - mid_a) exp(mid_a), exp(Γ_C - Γ_j) = exp(mid_a - Γ_j) exp(Γ_C - mid_a): the
     # second factors are <= 1; where they underflow the true product is below e^(70 - 87)
     e_mid = _exp(torch.cat([tot[:, :, :1] * 0.5, tot[:, :, :1] + 0.5 * tot[:, :, 1:]], 2))
@@ -80,17 +86,8 @@ def halves_local(q, k, v, g, beta, scale: float, A_qk, A_kk, X, ws: Workspace):
     k_dec = buf("k_dec", 2, h, K)
     for a in range(2):
         torch.mul(cols[:, :, a, a], e_tail[:, :, a], out=k_dec[:, :, a])
-    unit_lower_solve_(A_kk, X)  # X = (I + A_kk)^-1 R, in place
+    unit_lower_solve_blocks_(A_k[:, 0, :, :h], A_k[:, 1, :, :h], A_k[:, 1, :, h:], X)  # X = (I + A_kk)^-1 R
     return qg, k_dec.view(M, C, K), _exp(decay.view(M, K))
-
-
-def _causal_split(A, A_qk, A_kk):
-    """A [M, 2 (half), 2 (q | k rows), h, C] -> A_qk (j <= i), A_kk (j < i) [M, 2, h, C], zero elsewhere.
-    The products above the diagonal can overflow: they are dropped by `where`, never multiplied."""
-    causal, strict = _masks(A.shape[-2], A.device)
-    zero = A.new_zeros(())
-    torch.where(causal, A[:, :, 0], zero, out=A_qk)
-    torch.where(strict, A[:, :, 1], zero, out=A_kk)
 
 
 def _exp(x: torch.Tensor) -> torch.Tensor:

@@ -25,7 +25,13 @@ def unit_lower_solve_(A: torch.Tensor, X: torch.Tensor, transpose: bool = False)
     if C % 2 or C < 16:
         return unit_lower_solve_ref(A, X, transpose)
     h = C // 2
-    A00, A10, A11 = A[:, :h, :h], A[:, h:, :h], A[:, h:, h:]
+    return unit_lower_solve_blocks_(A[:, :h, :h], A[:, h:, :h], A[:, h:, h:], X, transpose)
+
+
+def unit_lower_solve_blocks_(A00, A10, A11, X: torch.Tensor, transpose: bool = False) -> torch.Tensor:
+    """`unit_lower_solve_` given the blocks of A [M, h, h] (any strides; of A00 and A11 only the strictly
+    lower triangle is read, so whatever lies above it, even inf, never matters); X [M, 2h, N]."""
+    h = A00.shape[-1]
     X0, X1 = X[:, :h], X[:, h:]
     if transpose:
         _solve_half(A11, X1, transpose=True)
