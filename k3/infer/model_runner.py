@@ -19,15 +19,13 @@ from __future__ import annotations
 import torch
 
 from k3.infer.config import EngineConfig
-from k3.infer.decode_step import DecodeStep
+from k3.infer.decode_step import KDA_FIELDS, DecodeStep
 from k3.infer.media import embed_with_media
 from k3.infer.paged_state import PagedBatch, PagedMLAState
 from k3.infer.scheduler import StepPlan
 from k3.infer.sequence import Sequence
 from k3.model.state import KDAState
 from k3.ops.glu import fused_activations
-
-_KDA_FIELDS = ("conv_q", "conv_k", "conv_v", "recurrent")
 
 
 class ModelRunner:
@@ -63,11 +61,11 @@ class ModelRunner:
 
     def snapshot(self, slot: int) -> tuple:
         """A private copy of every KDA layer's state in `slot` (the snapshot handle)."""
-        return tuple(tuple(d[f][slot].clone() for f in _KDA_FIELDS) for d in self.kda.values())
+        return tuple(tuple(d[f][slot].clone() for f in KDA_FIELDS) for d in self.kda.values())
 
     def restore(self, slot: int, handle: tuple) -> None:
         for d, saved in zip(self.kda.values(), handle, strict=True):
-            for f, t in zip(_KDA_FIELDS, saved, strict=True):
+            for f, t in zip(KDA_FIELDS, saved, strict=True):
                 d[f][slot] = t
 
     def reset(self, slot: int) -> None:
@@ -113,7 +111,7 @@ class ModelRunner:
         state = []
         for i in range(self.model.config.num_hidden_layers):
             if i in self.kda:
-                state.append(KDAState(**{f: self.kda[i][f][slots] for f in _KDA_FIELDS}))
+                state.append(KDAState(**{f: self.kda[i][f][slots] for f in KDA_FIELDS}))
             else:
                 state.append(PagedMLAState(self.mla[i], batch))
         if any(s.media for s in seqs):
@@ -130,7 +128,7 @@ class ModelRunner:
             h = h[:, -1:]
         logits = self.model.lm_head(self.model.model.norm(h)).float()
         for i, d in self.kda.items():
-            for f in _KDA_FIELDS:
+            for f in KDA_FIELDS:
                 d[f][slots] = getattr(state[i], f).to(d[f].dtype)
         return logits
 
