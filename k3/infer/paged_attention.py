@@ -32,25 +32,18 @@ def _paged_mla_decode(q_nope, q_pe, latent, pool, block_tables, lengths, w_uk, w
     B, T, H, _ = q_nope.shape
     if T != 1 or latent.shape[:2] != (B, 1):
         raise ValueError(f"one new token per row expected, got q_nope {tuple(q_nope.shape)}")
-    ls = lengths.tolist()
-    S = max(ls) + 1
-    n = -(-S // page_size)
+    n = -(-(int(lengths.max()) + 1) // page_size)  # the pages the longest row covers with its new key
+    state = PagedMLAState(pool, PagedBatch(block_tables[:, :n], lengths, 1, page_size))
+    S = state.batch.max_length + 1
+    ragged = int(lengths.min()) != S - 1  # rows of different lengths: row b sees its own keys only
     if H * S > mla_layer.DENSE_MAX_SCORES:  # long context: stream page blocks (read per call: tests set it)
-        state = PagedMLAState(pool, PagedBatch(block_tables[:, :n], lengths, 1, page_size))
         state.write(latent)
-        q_pos = query_positions(1, S, lengths, q_nope.device)
+        q_pos = query_positions(1, S, lengths if ragged else None, q_nope.device)
         block = max(mla_layer.MIN_BLOCK, min(mla_layer.MAX_BLOCK, mla_layer.DENSE_MAX_SCORES // (B * H)))
         o = mla_attention_over_blocks(q_nope, q_pe, state.blocks(block), w_uk, w_uv, scale, q_pos)
         return o.to(pool.dtype)
-    tables = block_tables[:, :n]
-    pages = tables.tolist()
-    # the new latent of row b is key ls[b]: pool row = (page of that position) * page_size + offset
-    write = [pages[b][c // page_size] * page_size + c % page_size for b, c in enumerate(ls)]
-    pool.index_copy_(0, torch.tensor(write, device=pool.device), latent[:, 0].to(pool.dtype))
-    rows = (tables[:, :, None] * page_size + torch.arange(page_size, device=pool.device)).view(-1)
-    keys = pool.index_select(0, rows).view(B, n * page_size, -1)[:, :S]  # [B, S, R+Dr]
-    mask = None if min(ls) == S - 1 else ragged_causal_mask(lengths, 1, S)  # rows of different lengths
-    return mla_attention_latent(q_nope, q_pe, keys, w_uk, w_uv, scale, mask).to(pool.dtype)
+    mask = ragged_causal_mask(lengths, 1, S) if ragged else None
+    return mla_attention_latent(q_nope, q_pe, state.append(latent), w_uk, w_uv, scale, mask).to(pool.dtype)
 
 
 def _paged_mla_decode_fake(q_nope, q_pe, latent, pool, block_tables, lengths, w_uk, w_uv, scale, page_size):
