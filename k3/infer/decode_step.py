@@ -25,9 +25,7 @@ import warnings
 import torch
 
 from k3.infer.paged_attention import PagedDecodeMLAState
-from k3.model.state import KDAState
 
-KDA_FIELDS = ("conv_q", "conv_k", "conv_v", "recurrent")
 # Inductor turns one-row mat-muls (every projection of a batch-1 step) into fused multiply-reduce loops
 # that stream the weight once; on a CPU these run faster than the BLAS gemv calls they replace (k3-tiny,
 # 1 thread: 6.2 vs 9.8 ms per token, docs/serving.md) and fuse with their neighbours.
@@ -63,17 +61,13 @@ class DecodeStep:
         """The eager step (module docstring); tensors on the pools' device."""
         r = self.runner
         model, ps = r.model, r.config.page_size
-        state = []
-        for i in range(model.config.num_hidden_layers):
-            if i in r.kda:
-                state.append(KDAState(**{f: r.kda[i][f][slots] for f in KDA_FIELDS}))
-            else:
-                state.append(PagedDecodeMLAState(r.mla[i], block_tables, lengths, ps))
+        state = [
+            r.kda_state(i, slots) if i in r.kda else PagedDecodeMLAState(r.mla[i], block_tables, lengths, ps)
+            for i in range(model.config.num_hidden_layers)
+        ]
         h = model.model(input_ids=ids, state=state)
         logits = model.lm_head(model.model.norm(h)).float()
-        for i, pools in r.kda.items():
-            for f in KDA_FIELDS:
-                pools[f][slots] = getattr(state[i], f).to(pools[f].dtype)
+        r.store_kda(state, slots)
         return logits
 
     def _run_compiled(self, args) -> torch.Tensor | None:

@@ -19,13 +19,15 @@ from __future__ import annotations
 import torch
 
 from k3.infer.config import EngineConfig
-from k3.infer.decode_step import KDA_FIELDS, DecodeStep
+from k3.infer.decode_step import DecodeStep
 from k3.infer.media import embed_with_media
 from k3.infer.paged_state import PagedBatch, PagedMLAState
 from k3.infer.scheduler import StepPlan
 from k3.infer.sequence import Sequence
 from k3.model.state import KDAState
 from k3.ops.glu import fused_activations
+
+KDA_FIELDS = ("conv_q", "conv_k", "conv_v", "recurrent")
 
 
 class ModelRunner:
@@ -110,10 +112,7 @@ class ModelRunner:
         slots = torch.tensor([s.slot for s in seqs], device=self.device)
         state = []
         for i in range(self.model.config.num_hidden_layers):
-            if i in self.kda:
-                state.append(KDAState(**{f: self.kda[i][f][slots] for f in KDA_FIELDS}))
-            else:
-                state.append(PagedMLAState(self.mla[i], batch))
+            state.append(self.kda_state(i, slots) if i in self.kda else PagedMLAState(self.mla[i], batch))
         if any(s.media for s in seqs):
             embed = self.model.model.embed_tokens
             rows = [
@@ -127,10 +126,18 @@ class ModelRunner:
         if not any(s.params.prompt_logprobs is not None for s in seqs):
             h = h[:, -1:]
         logits = self.model.lm_head(self.model.model.norm(h)).float()
-        for i, d in self.kda.items():
-            for f in KDA_FIELDS:
-                d[f][slots] = getattr(state[i], f).to(d[f].dtype)
+        self.store_kda(state, slots)
         return logits
+
+    def kda_state(self, layer: int, slots: torch.Tensor) -> KDAState:
+        """KDA layer `layer`'s conv and recurrent states of the rows in `slots` [B] (gathered copies)."""
+        return KDAState(**{f: self.kda[layer][f][slots] for f in KDA_FIELDS})
+
+    def store_kda(self, state: list, slots: torch.Tensor) -> None:
+        """Write every KDA layer's state of a forward (`state[layer]`) back into `slots`."""
+        for i, pools in self.kda.items():
+            for f in KDA_FIELDS:
+                pools[f][slots] = getattr(state[i], f).to(pools[f].dtype)
 
 
 def _tokens(seq: Sequence, start: int, stop: int) -> list[int]:

@@ -70,8 +70,8 @@ def halves_local(q, k, v, g, beta, scale: float, A_qk, A_kk, X, ws: Workspace):
     cols[:, :, 0, 1] = 0
     A = torch.bmm(rows.view(2 * M, 2 * h, K), cols.view(2 * M, C, K).mT, out=ws.get("A", q, 2 * M, 2 * h, C))
     A = A.view(M, 2, 2, h, C)
-    causal, _ = _masks(h, q.device)  # A_qk's products above the diagonal can overflow: `where` drops them
-    torch.where(causal, A[:, :, 0], A.new_zeros(()), out=A_qk.view(M, 2, h, C))
+    # A_qk's products above the diagonal can overflow: `where` drops them
+    torch.where(_causal_mask(h, q.device), A[:, :, 0], A.new_zeros(()), out=A_qk.view(M, 2, h, C))
     A_k = A[:, :, 1]  # [M, 2, h, C]: the solve reads only below the diagonal, so no mask is needed there
     if A_kk is not None:
         A_kk.view(M, 2, h, C).copy_(A_k)
@@ -102,7 +102,6 @@ def _inv_norm(x: torch.Tensor) -> torch.Tensor:
 
 
 @lru_cache(maxsize=16)
-def _masks(h: int, device: torch.device):
-    """[2, h, 2h] masks in row-half layout: j <= i and j < i (row i = a h + r, column j)."""
-    ones = torch.ones(2 * h, 2 * h, dtype=torch.bool, device=device)
-    return ones.tril().view(2, h, 2 * h), ones.tril(-1).view(2, h, 2 * h)
+def _causal_mask(h: int, device: torch.device) -> torch.Tensor:
+    """[2, h, 2h] mask j <= i in row-half layout (row i = a h + r, column j)."""
+    return torch.ones(2 * h, 2 * h, dtype=torch.bool, device=device).tril().view(2, h, 2 * h)
