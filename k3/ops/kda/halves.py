@@ -18,12 +18,19 @@ that q * e^70 stays finite.
 
 This path only fills what the forward needs and the backward keeps (A_qk, A_kk, X = [U | W]) plus
 exp(Γ) Q, exp(Γ_C - Γ) K and the chunk retention; the backward recomputes `intra.local_factors`.
+
+`halves_local` runs the elementwise part (norms, in-half cumulative decay, the exponentials and all
+the scaled rows and columns; then the causal copy of A_qk) as one C pass per group when a compiler is
+available (`k3/ops/csrc/kda_halves.c`, built by `k3.ops.native`), else as torch ops:
+`halves_local_ref` is that torch path, with the same signature (tests compare them).
 """
 
+import ctypes
 from functools import lru_cache
 
 import torch
 
+from k3.ops import native
 from k3.ops.kda.prep import L2NORM_EPS
 from k3.ops.kda.scratch import Workspace
 from k3.ops.kda.solve import unit_lower_solve_blocks_
@@ -43,6 +50,29 @@ def halves_fit(g: torch.Tensor, l2norm: bool, scale: float) -> bool:
 
 
 def halves_local(q, k, v, g, beta, scale: float, A_qk, A_kk, X, ws: Workspace):
+    """`halves_local_ref` with its elementwise part in one native pass when the kernel is built."""
+    lib = native.library("kda_halves")
+    if lib is None or not _native_fits(q, k, v, g, beta, A_qk, X):
+        return halves_local_ref(q, k, v, g, beta, scale, A_qk, A_kk, X, ws)
+    G, BH, C, K = q.shape
+    M, V, h = G * BH, v.shape[-1], C // 2
+    rows, cols = ws.get("rows", q, G, BH, 2, 2, h, K), ws.get("cols", q, G, BH, 2, 2, h, K)
+    qg, k_dec, decay = ws.get("qg", q, M, C, K), ws.get("k_dec", q, M, C, K), ws.get("decay", q, M, K)
+    _prep_fn(lib)(
+        *(arg for t in (q, k, v, g, beta) for arg in (t.data_ptr(), _Strides3(*t.stride()[:3]))),
+        G, BH, C, K, V, float(scale), L2NORM_EPS,
+        *(t.data_ptr() for t in (rows, cols, qg, X, k_dec, decay)),
+    )  # fmt: skip
+    A = torch.bmm(rows.view(2 * M, 2 * h, K), cols.view(2 * M, C, K).mT, out=ws.get("A", q, 2 * M, 2 * h, C))
+    lib.k3_kda_causal_rows(ctypes.c_void_p(A.data_ptr()), ctypes.c_void_p(A_qk.data_ptr()), M, C)
+    A_k = A.view(M, 2, 2, h, C)[:, :, 1]
+    if A_kk is not None:
+        A_kk.view(M, 2, h, C).copy_(A_k)
+    unit_lower_solve_blocks_(A_k[:, 0, :, :h], A_k[:, 1, :, :h], A_k[:, 1, :, h:], X)
+    return qg, k_dec, decay
+
+
+def halves_local_ref(q, k, v, g, beta, scale: float, A_qk, A_kk, X, ws: Workspace):
     """Raw fp32 q, k, g [G, BH, C, K], v [G, BH, C, V], beta [G, BH, C] (any strides: the chunked views
     of the caller's tensors) -> fills A_qk and X = [U | W] [M, C, V + K] (M = G BH), and A_kk [M, C, C]
     unless it is None (only its strictly lower triangle is meaningful: what the backward's solve reads);
@@ -105,3 +135,28 @@ def _inv_norm(x: torch.Tensor) -> torch.Tensor:
 def _causal_mask(h: int, device: torch.device) -> torch.Tensor:
     """[2, h, 2h] mask j <= i in row-half layout (row i = a h + r, column j)."""
     return torch.ones(2 * h, 2 * h, dtype=torch.bool, device=device).tril().view(2, h, 2 * h)
+
+
+class _Strides3(ctypes.Structure):
+    """(chunk, head, token) strides of a chunked input, in elements (the kernel's `strides3`)."""
+
+    _fields_ = [("g", ctypes.c_int64), ("bh", ctypes.c_int64), ("t", ctypes.c_int64)]
+
+
+def _native_fits(q, k, v, g, beta, A_qk, X) -> bool:
+    """The native kernel's layout: fp32 CPU tensors, unit channel strides, A_qk and X contiguous."""
+    tensors = (q, k, v, g, beta, A_qk, X)
+    if any(t.dtype != torch.float32 or t.device.type != "cpu" for t in tensors):
+        return False
+    return all(t.stride(-1) == 1 for t in (q, k, v, g)) and A_qk.is_contiguous() and X.is_contiguous()
+
+
+def _prep_fn(lib):
+    fn = lib.k3_kda_halves_prep
+    if fn.argtypes is None:
+        ptr, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+        fn.argtypes = [ptr, _Strides3] * 5 + [i64] * 5 + [f32, f32] + [ptr] * 6
+        fn.restype = None
+        lib.k3_kda_causal_rows.argtypes = [ptr, ptr, i64, i64]
+        lib.k3_kda_causal_rows.restype = None
+    return fn

@@ -1,0 +1,118 @@
+"""Small C kernels, compiled on first use, for the few CPU hot spots torch has no fast op for.
+
+Sources live in `k3/ops/csrc/<name>.c` (plain C, no torch headers, so a build takes about a second).
+`library(name)` compiles one with the system C compiler (`$CC`, else `cc` / `gcc`) into
+`$K3_CACHE_DIR/native/<key>/lib<name>.so` (default `~/.cache/k3`), where the key hashes the source,
+compiler, flags and this CPU's feature flags (`-march=native` code must never run on another CPU), and
+loads it with ctypes. Without a compiler, on a failed build or with `K3_NATIVE=0` it returns None after
+one warning, and every caller takes its torch path instead: each kernel has a torch reference with the
+same contract, and the tests compare them (docs/decisions.md, "native kernels").
+"""
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+import warnings
+from pathlib import Path
+
+CSRC = Path(__file__).parent / "csrc"
+# no errno from math calls, no reliance on floating-point traps: both let gcc vectorise sqrt, exp
+# polynomials and branchless clamps; IEEE results are otherwise unchanged (no -ffast-math)
+FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-shared", "-fPIC", "-std=c11")
+_lock = threading.Lock()
+_libs: dict[str, ctypes.CDLL | None] = {}
+
+
+def enabled() -> bool:
+    """False when the environment turns native kernels off (K3_NATIVE=0)."""
+    return os.environ.get("K3_NATIVE", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def compiler() -> str | None:
+    """The C compiler to use: $CC if set (even when missing: then None), else cc or gcc on PATH."""
+    if os.environ.get("CC"):
+        return shutil.which(os.environ["CC"])
+    return shutil.which("cc") or shutil.which("gcc")
+
+
+def library(name: str) -> ctypes.CDLL | None:
+    """The compiled `csrc/<name>.c` as a ctypes library, or None (see the module docstring); cached."""
+    if not enabled():
+        return None
+    with _lock:
+        if name not in _libs:
+            _libs[name] = _build_and_load(name)
+        return _libs[name]
+
+
+def reset() -> None:
+    """Forget loaded libraries (tests switch compilers / K3_NATIVE between calls)."""
+    with _lock:
+        _libs.clear()
+
+
+def _build_and_load(name: str) -> ctypes.CDLL | None:
+    source = CSRC / f"{name}.c"
+    cc = compiler()
+    if cc is None:
+        return _unavailable(name, "no C compiler found (set CC, or install gcc)")
+    path = _cache_dir() / _key(source, cc) / f"lib{name}.so"
+    if not path.exists():
+        error = _compile(cc, source, path)
+        if error:
+            return _unavailable(name, error)
+    try:
+        return ctypes.CDLL(str(path))
+    except OSError as e:
+        return _unavailable(name, f"loading {path} failed: {e}")
+
+
+def _compile(cc: str, source: Path, path: Path) -> str | None:
+    """Compile to a temporary file beside `path`, then rename it into place (concurrent builders, e.g.
+    the ranks of one job, each write their own file; the last rename wins, all with the same bytes)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
+    os.close(fd)
+    try:
+        cmd = [cc, *FLAGS, "-o", tmp, str(source)]
+        run = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        if run.returncode != 0:
+            return f"`{cc} {' '.join(FLAGS)} {source.name}` failed: {run.stderr.strip()[-500:]}"
+        os.replace(tmp, path)
+        return None
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"running {cc} failed: {e}"
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _unavailable(name: str, why: str) -> None:
+    warnings.warn(f"k3 native kernel {name!r} unavailable, using the torch path: {why}", stacklevel=3)
+    return None
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("K3_CACHE_DIR") or "~/.cache/k3").expanduser() / "native"
+
+
+def _key(source: Path, cc: str) -> str:
+    h = hashlib.sha256(source.read_bytes())
+    h.update(" ".join((cc, *FLAGS, platform.machine(), _cpu_flags())).encode())
+    return h.hexdigest()[:16]
+
+
+def _cpu_flags() -> str:
+    """This CPU's model and feature flags (Linux), or the processor string elsewhere."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor()

@@ -1,0 +1,186 @@
+"""Native C kernels (k3.ops.native): the build / cache / fallback machinery, each kernel against its
+torch reference, and chunk_kda end to end on the torch path (the suite's other KDA tests run native
+wherever a compiler exists, as on CI)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import k3.ops.kda.chunk as chunk_module
+from k3.ops import native
+from k3.ops.kda import chunk_kda, naive_recurrent_kda
+from k3.ops.kda.halves import halves_local, halves_local_ref
+from k3.ops.kda.scratch import Workspace
+from k3.ops.kda.solve import unit_lower_solve_, unit_lower_solve_blocks_, unit_lower_solve_ref
+
+
+@pytest.fixture
+def fresh_native(tmp_path, monkeypatch):
+    """An empty kernel cache and no loaded libraries; restored afterwards."""
+    monkeypatch.setenv("K3_CACHE_DIR", str(tmp_path))
+    native.reset()
+    yield tmp_path
+    native.reset()
+
+
+def require(name: str):
+    lib = native.library(name)
+    if lib is None:
+        pytest.skip("no C compiler on this machine: the native kernels cannot be built")
+    return lib
+
+
+def test_library_is_built_once_then_loaded_from_the_cache(fresh_native, monkeypatch):
+    lib = require("unit_lower_solve")
+    built = list(fresh_native.glob("native/*/libunit_lower_solve.so"))
+    assert len(built) == 1
+    assert native.library("unit_lower_solve") is lib  # cached in the process
+    native.reset()
+
+    def no_compiler(*args, **kwargs):
+        raise AssertionError("the cached library must be loaded without compiling")
+
+    monkeypatch.setattr(native.subprocess, "run", no_compiler)
+    assert native.library("unit_lower_solve") is not None
+
+
+def test_missing_compiler_warns_and_falls_back(fresh_native, monkeypatch):
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    with pytest.warns(UserWarning, match="no C compiler"):
+        assert native.library("unit_lower_solve") is None
+    # chunk_kda still runs (the torch path) and agrees with the reference
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 70, 2, 16, generator=gen) for _ in range(3))
+    g = -5 * torch.sigmoid(torch.randn(1, 70, 2, 16, generator=gen))
+    beta = torch.rand(1, 70, 2, generator=gen)
+    with pytest.warns(UserWarning, match="'kda_halves' unavailable"):
+        o, _ = chunk_kda(q, k, v, g, beta)
+    o_ref, _ = naive_recurrent_kda(q, k, v, g, beta)
+    torch.testing.assert_close(o, o_ref, rtol=1e-5, atol=1e-6)
+
+
+def test_failed_build_warns_naming_the_error(fresh_native, monkeypatch, tmp_path):
+    src = tmp_path / "csrc"
+    src.mkdir()
+    (src / "broken.c").write_text("this is not C\n")
+    monkeypatch.setattr(native, "CSRC", src)
+    with pytest.warns(UserWarning, match="broken.*failed"):
+        assert native.library("broken") is None
+    assert not list(tmp_path.glob("native/*/*.so"))  # nothing half-written left in the cache
+
+
+def test_switched_off_by_the_environment(fresh_native, monkeypatch):
+    monkeypatch.setenv("K3_NATIVE", "0")
+    assert native.library("unit_lower_solve") is None
+    assert not list(fresh_native.glob("native/*"))
+
+
+def assert_as_accurate_as_lapack(got, A, R, transpose):
+    """fp32 `got` is within 2x (+ a rounding floor) of fp32 LAPACK's distance to the float64 solution
+    (random systems of size 128 amplify rounding: an absolute tolerance alone would not say much)."""
+    want = unit_lower_solve_ref(A.double(), R.double(), transpose)
+    lapack = unit_lower_solve_ref(A, R.clone(), transpose)
+    err, err_lapack = ((t.double() - want).abs().amax().item() for t in (got, lapack))
+    assert err <= 2 * err_lapack + 1e-6 * want.abs().amax().item(), (err, err_lapack)
+
+
+@pytest.mark.parametrize("C, N", [(64, 128), (64, 64), (16, 5), (63, 70), (128, 200), (1, 3)])
+@pytest.mark.parametrize("transpose", [False, True])
+def test_native_solve_matches_lapack(C, N, transpose):
+    require("unit_lower_solve")
+    g = torch.Generator().manual_seed(C * 1000 + N)
+    A = torch.randn(5, C, C, generator=g).tril(-1) * 0.3
+    A = A + torch.triu(torch.full((C, C), float("inf")))  # never read: only the strictly lower part is
+    R = torch.randn(5, C, N, generator=g)
+    got = unit_lower_solve_(A, R.clone(), transpose)
+    assert_as_accurate_as_lapack(got, A.tril(-1), R, transpose)
+    # in place on a column slice of a wider buffer ([U | W] share one tensor in chunk_kda)
+    buf = torch.randn(5, C, N + 9, generator=g)
+    buf[..., 9:] = R
+    unit_lower_solve_(A, buf[..., 9:], transpose)
+    torch.testing.assert_close(buf[..., 9:], got)
+
+
+@pytest.mark.parametrize("transpose", [False, True])
+def test_native_solve_on_the_two_half_layout(transpose):
+    """The blocks of halves.py: row halves of one matrix stored 2 h C apart (q rows interleaved)."""
+    require("unit_lower_solve")
+    M, h = 6, 32
+    g = torch.Generator().manual_seed(1)
+    buf = torch.randn(M, 2, 2, h, 2 * h, generator=g) * 0.3  # [M, half, q|k, h, C]
+    A_k = buf[:, :, 1]
+    full = torch.cat([A_k[:, 0], A_k[:, 1]], 1).tril(-1)  # the matrix the blocks describe
+    for r in range(h):  # garbage on and above the diagonal of both diagonal blocks
+        A_k[:, 0, r, r:] = float("inf")
+        A_k[:, 1, r, h + r :] = float("inf")
+    R = torch.randn(M, 2 * h, 100, generator=g)
+    got = unit_lower_solve_blocks_(A_k[:, 0, :, :h], A_k[:, 1, :, :h], A_k[:, 1, :, h:], R.clone(), transpose)
+    assert_as_accurate_as_lapack(got, full, R, transpose)
+
+
+def chunked(x: torch.Tensor, C: int = 64) -> torch.Tensor:
+    return chunk_module._to_chunks(x, C)
+
+
+@pytest.mark.parametrize("batch, K, V, per_token", [(1, 64, 64, None), (2, 32, 48, None), (1, 16, 8, -4.3)])
+def test_native_halves_prep_matches_the_torch_path(batch, K, V, per_token):
+    """Every output of the two-half chunk-local maps, on the chunked views chunk_kda passes (strided
+    for batch 1, copies otherwise), K != V, and gates at the path's decay limit (factors up to e^70)."""
+    require("kda_halves")
+    gen = torch.Generator().manual_seed(K + V)
+    T, H = 256, 2
+    q, k = torch.randn(batch, T, H, K, generator=gen), torch.randn(batch, T, H, K, generator=gen)
+    v = torch.randn(batch, T, H, V, generator=gen)
+    if per_token is None:
+        g = -5 * torch.sigmoid(torch.randn(batch, T, H, K, generator=gen))
+    else:
+        g = per_token + 0.05 * torch.rand(batch, T, H, K, generator=gen)
+    beta = torch.rand(batch, T, H, generator=gen)
+    x = [chunked(t)[1:3] for t in (q, k, v, g, beta)]  # a group of 2 chunks
+    M = 2 * batch * H
+    outs = []
+    for fn in (halves_local, halves_local_ref):
+        A_qk, A_kk, X = torch.full((M, 64, 64), 7.0), torch.empty(M, 64, 64), torch.empty(M, 64, V + K)
+        qg, k_dec, decay = fn(*x, 0.3, A_qk, A_kk, X, Workspace())
+        outs.append((A_qk, A_kk.tril(-1), X, qg.clone(), k_dec.clone(), decay.clone()))
+    for name, got, want in zip(("A_qk", "A_kk", "X", "qg", "k_dec", "decay"), *outs, strict=True):
+        assert torch.isfinite(got).all(), name
+        scale = want.abs().amax()
+        assert (got - want).abs().amax() <= 1e-5 * scale, f"{name}: {((got - want).abs().amax() / scale):.2e}"
+
+
+@pytest.mark.parametrize("T, gate", [(65, "safe"), (300, "safe"), (130, "harsh")])
+def test_chunk_kda_torch_path_matches_naive(monkeypatch, T, gate):
+    """With no native kernels (no compiler), forward and gradients against the token loop."""
+    monkeypatch.setattr(native, "library", lambda name: None)
+    gen = torch.Generator().manual_seed(T)
+    B, H, K, V = 2, 2, 32, 48
+    q, k = torch.randn(B, T, H, K, generator=gen), torch.randn(B, T, H, K, generator=gen)
+    v = torch.randn(B, T, H, V, generator=gen)
+    z = torch.randn(B, T, H, K, generator=gen)
+    g = -5 * torch.sigmoid(z) if gate == "safe" else -20 * torch.sigmoid(z)
+    beta, s0 = torch.rand(B, T, H, generator=gen), torch.randn(B, H, K, V, generator=gen)
+    do = torch.randn(B, T, H, V, generator=gen)
+    grads = []
+    for fn in (chunk_kda, naive_recurrent_kda):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v, g, beta, s0)]
+        o, _ = fn(*leaves[:5], initial_state=leaves[5], output_final_state=True)
+        o.backward(do)
+        grads.append([o.detach(), *(t.grad for t in leaves)])
+    for name, got, want in zip(("o", "dq", "dk", "dv", "dg", "dbeta", "dh0"), *grads, strict=True):
+        err = (got - want).norm() / want.norm()
+        assert err <= (1e-5 if name == "o" else 1e-4), f"{name}: relative error {err:.2e}"
+
+
+def test_chunk_kda_native_equals_torch_path(monkeypatch):
+    """The two paths of one call agree to float rounding (fp32, the bench shape at a smaller T)."""
+    require("kda_halves")
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 512, 4, 64, generator=gen) for _ in range(3))
+    g = F.logsigmoid(torch.randn(1, 512, 4, 64, generator=gen)) * 2
+    beta = torch.rand(1, 512, 4, generator=gen)
+    o_native, s_native = chunk_kda(q, k, v, g, beta, output_final_state=True)
+    monkeypatch.setattr(native, "library", lambda name: None)
+    o_torch, s_torch = chunk_kda(q, k, v, g, beta, output_final_state=True)
+    torch.testing.assert_close(o_native, o_torch, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(s_native, s_torch, rtol=1e-5, atol=1e-5)
