@@ -12,12 +12,15 @@ Shapes: `gate`, `up` [..., I] -> [..., I].
 
 import contextlib
 import contextvars
+import ctypes
 import warnings
 from collections.abc import Callable
 from functools import partial
 
 import torch
 import torch.nn.functional as F
+
+from k3.ops import native
 
 GLUFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -115,18 +118,44 @@ def _situ_compiled(gate, up, beta1, beta2) -> torch.Tensor | None:
 def situ_glu(gate: torch.Tensor, up: torch.Tensor, beta1: float = 4.0, beta2: float = 25.0) -> torch.Tensor:
     """SiTU-GLU: β₁·tanh(g/β₁)·σ(g) · β₂·tanh(u/β₂), in fp32, cast back to `gate.dtype`.
 
-    Takes `situ_glu_reference` when a gradient is needed; without one, `situ_glu_inplace` (identical
-    values), or `situ_glu_fused` (to ~1e-6) while torch.compile traces the caller or, compiled on its
-    own, inside `fused_activations()`."""
+    Takes `situ_glu_reference` when a gradient is needed. Without one: `situ_glu_fused` (to ~1e-6) while
+    torch.compile traces the caller; else the native kernel when it is built (`situ_glu_native`, the
+    same formulation in one C pass); else `situ_glu_fused` compiled on its own inside
+    `fused_activations()`, or `situ_glu_inplace` (the reference's values bit for bit)."""
     if torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad):
         return situ_glu_reference(gate, up, beta1, beta2)
     if torch.compiler.is_compiling():
         return situ_glu_fused(gate, up, beta1, beta2)
+    out = situ_glu_native(gate, up, beta1, beta2)
+    if out is not None:
+        return out
     if gate.numel() >= FUSED_MIN_ELEMENTS and fused_activations_enabled():
         out = _situ_compiled(gate, up, beta1, beta2)
         if out is not None:
             return out
     return situ_glu_inplace(gate, up, beta1, beta2)
+
+
+def situ_glu_native(
+    gate: torch.Tensor, up: torch.Tensor, beta1: float = 4.0, beta2: float = 25.0
+) -> torch.Tensor | None:
+    """`situ_glu_fused`'s formulation as one vectorised C pass (`k3/ops/csrc/situ_glu.c`): fp32 CPU
+    tensors of one shape, no autograd -> a new tensor; None when the kernel is not built or the inputs
+    do not fit (the caller then takes a torch path). ~1e-6 relative of the reference, like the fused form."""
+    lib = native.library("situ_glu")
+    fits = gate.shape == up.shape and all(
+        t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous() for t in (gate, up)
+    )
+    if lib is None or not fits:
+        return None
+    out = torch.empty_like(gate)
+    fn = lib.k3_situ_glu
+    if fn.argtypes is None:
+        ptr = ctypes.c_void_p
+        fn.argtypes = [ptr, ptr, ptr, ctypes.c_int64, ctypes.c_float, ctypes.c_float]
+        fn.restype = None
+    fn(gate.data_ptr(), up.data_ptr(), out.data_ptr(), gate.numel(), float(beta1), float(beta2))
+    return out
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

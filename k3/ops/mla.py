@@ -30,7 +30,11 @@ softmax are computed in fp32; the output has v's (or c_kv's) dtype. A query row 
 undefined (NaN in the dense references); causal masks never produce one.
 """
 
+import ctypes
+
 import torch
+
+from k3.ops import native
 
 
 def causal_mask(
@@ -262,10 +266,22 @@ def mla_attention_over_blocks(
     acc = torch.zeros(*q.shape[:2], width, device=q.device)  # running numerator
     doc_iter = iter(k_doc_blocks) if k_doc_blocks is not None else None
     q_lo = None if q_pos is None else int(q_pos.min())  # keys up to here are visible to every query
+    step = None if doc_iter is not None else _native_softmax_step(q)
+    if step is not None and q_pos is not None:  # each score row's query position, [batch * rows] int64
+        rows = q_pos.expand(B, T).repeat_interleave(H, 0) if expand else q_pos.expand(B, T).repeat(1, H)
+        q_rows = rows.reshape(-1).contiguous()
     s0, dtype = 0, None
     for lat in blocks:
         dtype, s, lat = lat.dtype, lat.shape[1], lat.float()
         keys, values = _block_keys(lat, w_uk, w_uv, H) if expand else (lat, lat[..., :R])
+        if step is not None:  # the same block step in one native pass (p written over the scores)
+            scores = torch.bmm(q, keys.mT)
+            masked = q_pos is not None and s0 + s - 1 > q_lo
+            limit = q_rows - (s0 - 1) if masked else None  # row r sees this block's keys j < limit[r]
+            corr = step(scores, m, l, limit)
+            acc = acc.mul_(corr).baddbmm_(scores, values)
+            s0 += s
+            continue
         scores = (q @ keys.mT).view(B, H, T, s)
         keep = None
         if q_pos is not None and s0 + s - 1 > q_lo:  # only blocks reaching past q_lo need the mask
@@ -289,6 +305,31 @@ def mla_attention_over_blocks(
     if expand:
         return o.transpose(1, 2).to(dtype)
     return torch.einsum("bhtr,hvr->bthv", o, w_uv.float()).to(dtype)
+
+
+def _native_softmax_step(q: torch.Tensor):
+    """The native online-softmax block step (`k3/ops/csrc/online_softmax.c`) for fp32 CPU queries without
+    autograd, or None (no compiler, another device or dtype, a gradient: the torch ops run instead).
+    -> step(scores [batch, rows, s], m, l [batch, rows, 1], limit [batch*rows] int64 | None) -> corr."""
+    grad = torch.is_grad_enabled() and q.requires_grad
+    fits = q.dtype == torch.float32 and q.device.type == "cpu" and not grad
+    lib = native.library("online_softmax") if fits else None
+    if lib is None:
+        return None
+    fn = lib.k3_online_softmax_block
+    if fn.argtypes is None:
+        ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+        fn.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, ptr]
+        fn.restype = None
+
+    def step(scores, m, l, limit):
+        corr = torch.empty_like(m)
+        R, s = scores.shape[0] * scores.shape[1], scores.shape[2]
+        lim = None if limit is None else limit.data_ptr()
+        fn(scores.data_ptr(), R, s, s, lim, m.data_ptr(), l.data_ptr(), corr.data_ptr())
+        return corr
+
+    return step
 
 
 def _block_keys(lat: torch.Tensor, w_uk: torch.Tensor, w_uv: torch.Tensor, H: int):

@@ -1,12 +1,13 @@
 """Small C kernels, compiled on first use, for the few CPU hot spots torch has no fast op for.
 
-Sources live in `k3/ops/csrc/<name>.c` (plain C, no torch headers, so a build takes about a second).
-`library(name)` compiles one with the system C compiler (`$CC`, else `cc` / `gcc`) into
-`$K3_CACHE_DIR/native/<key>/lib<name>.so` (default `~/.cache/k3`), where the key hashes the source,
-compiler, flags and this CPU's feature flags (`-march=native` code must never run on another CPU), and
-loads it with ctypes. Without a compiler, on a failed build or with `K3_NATIVE=0` it returns None after
-one warning, and every caller takes its torch path instead: each kernel has a torch reference with the
-same contract, and the tests compare them (docs/decisions.md, "native kernels").
+Sources live in `k3/ops/csrc/<name>.c` and the headers beside it (plain C, no torch headers, so a build
+takes about a second). `library(name)` compiles one with the system C compiler (`$CC`, else `cc` /
+`gcc`) into `$K3_CACHE_DIR/native/<key>/lib<name>.so` (default `~/.cache/k3`), where the key hashes the
+source, the headers, compiler, flags and this CPU's feature flags (`-march=native` code must never run
+on another CPU), and loads it with ctypes. Without a compiler, on a failed build or with `K3_NATIVE=0`
+it returns None after one warning, and every caller takes its torch path instead: each kernel has a
+torch reference with the same contract, and the tests compare them (docs/decisions.md, "native
+kernels").
 """
 
 import ctypes
@@ -79,7 +80,7 @@ def _compile(cc: str, source: Path, path: Path) -> str | None:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
     os.close(fd)
     try:
-        cmd = [cc, *FLAGS, "-o", tmp, str(source)]
+        cmd = [cc, *FLAGS, "-I", str(source.parent), "-o", tmp, str(source)]
         run = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
         if run.returncode != 0:
             return f"`{cc} {' '.join(FLAGS)} {source.name}` failed: {run.stderr.strip()[-500:]}"
@@ -103,6 +104,8 @@ def _cache_dir() -> Path:
 
 def _key(source: Path, cc: str) -> str:
     h = hashlib.sha256(source.read_bytes())
+    for header in sorted(source.parent.glob("*.h")):
+        h.update(header.read_bytes())
     h.update(" ".join((cc, *FLAGS, platform.machine(), _cpu_flags())).encode())
     return h.hexdigest()[:16]
 

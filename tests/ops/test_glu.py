@@ -1,20 +1,27 @@
 """SiTU-GLU and SwiGLU (SPEC §3.6): bound, β → ∞ limit, dtype handling, finite gradients; the fused
-(exp-based, compiled) SiTU against float64 and the reference."""
+(exp-based, compiled) and native (C) SiTU against float64 and the reference."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from k3.ops import glu
+from k3.ops import glu, native
 from k3.ops.glu import (
     fused_activations,
     glu_fn,
     situ_glu,
     situ_glu_fused,
     situ_glu_inplace,
+    situ_glu_native,
     situ_glu_reference,
     swiglu,
 )
+
+
+@pytest.fixture
+def no_native(monkeypatch):
+    """The torch dispatch of a machine without a C compiler."""
+    monkeypatch.setattr(native, "library", lambda name: None)
 
 
 def _inputs(n=4096, scale=10.0, dtype=torch.float32, seed=0):
@@ -57,7 +64,7 @@ def test_situ_dtype_and_grad(dtype):
     up.requires_grad_(True)
     out = situ_glu(gate, up)
     assert out.dtype == dtype
-    ref = situ_glu(gate.detach().float(), up.detach().float()).to(dtype)
+    ref = situ_glu_reference(gate.detach().float(), up.detach().float()).to(dtype)
     assert torch.equal(out.detach(), ref)  # computed in fp32, then one rounding
     out.float().pow(2).sum().backward()
     assert torch.isfinite(gate.grad).all() and torch.isfinite(up.grad).all()
@@ -85,7 +92,7 @@ def test_situ_inplace_equals_reference(dtype):
     assert torch.equal(gate, g0) and torch.equal(up, u0)  # the inputs are never written
 
 
-def test_situ_dispatch_keeps_autograd():
+def test_situ_dispatch_keeps_autograd(no_native):
     gate, up = _inputs(scale=5.0, seed=2)
     with torch.no_grad():
         assert torch.equal(situ_glu(gate, up), situ_glu_reference(gate, up))
@@ -119,7 +126,7 @@ def test_situ_fused_matches_float64_like_the_reference(betas):
     torch.testing.assert_close(got, ref, rtol=2e-6, atol=1e-30)
 
 
-def test_fused_activations_compile_large_inputs_only():
+def test_fused_activations_compile_large_inputs_only(no_native):
     gate, up = _inputs(n=1 << 16, scale=6.0)
     small_g, small_u = gate[:100], up[:100]
     with torch.no_grad(), fused_activations():
@@ -132,7 +139,7 @@ def test_fused_activations_compile_large_inputs_only():
         assert torch.equal(situ_glu(gate, up), situ_glu_inplace(gate, up))  # outside the block: eager
 
 
-def test_fused_activations_fall_back_when_compiling_fails(monkeypatch):
+def test_fused_activations_fall_back_when_compiling_fails(monkeypatch, no_native):
     def broken(*a):
         raise RuntimeError("no C++ compiler")
 
@@ -143,3 +150,34 @@ def test_fused_activations_fall_back_when_compiling_fails(monkeypatch):
             out = situ_glu(gate, up)
         assert not glu.fused_activations_enabled()
     assert torch.equal(out, situ_glu_inplace(gate, up))
+
+
+@pytest.mark.parametrize("betas", [(4.0, 25.0), (2.0, 3.0)], ids=["release", "other"])
+def test_situ_native_matches_float64_like_the_reference(betas):
+    """The C kernel (exp polynomial, series near 0) is as close to the float64 truth as the reference,
+    exact at the saturated limits, and what the no-grad dispatch takes when it is built."""
+    gate, up = _inputs(n=1 << 16, scale=6.0)
+    got = situ_glu_native(gate, up, *betas)
+    if got is None:
+        pytest.skip("no C compiler on this machine: the native kernel cannot be built")
+    truth = _situ_f64(gate, up, *betas)
+    err = lambda out: ((out.double() - truth).abs() / truth.abs().clamp(min=1e-3)).max().item()  # noqa: E731
+    assert err(got) < max(2e-6, 2 * err(situ_glu_reference(gate, up, *betas)))
+    edge = torch.tensor(EDGES + [float("inf"), float("-inf")])
+    g, u = edge.repeat_interleave(len(edge)), edge.repeat(len(edge))
+    ref, got = situ_glu_reference(g, u, *betas), situ_glu_native(g, u, *betas)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, ref, rtol=2e-6, atol=1e-30)
+    with torch.no_grad():
+        assert torch.equal(situ_glu(gate, up, *betas), situ_glu_native(gate, up, *betas))
+
+
+def test_situ_native_declines_what_it_cannot_take():
+    gate, up = _inputs(n=64)
+    assert situ_glu_native(gate.bfloat16(), up.bfloat16()) is None
+    assert situ_glu_native(gate.view(8, 8).t(), up.view(8, 8).t()) is None  # not contiguous
+    assert situ_glu_native(gate, up[:32]) is None
+    with torch.no_grad():  # the dispatch then takes the torch path
+        assert torch.equal(
+            situ_glu(gate.bfloat16(), up.bfloat16()), situ_glu_inplace(gate.bfloat16(), up.bfloat16())
+        )

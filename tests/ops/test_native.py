@@ -1,6 +1,7 @@
 """Native C kernels (k3.ops.native): the build / cache / fallback machinery, each kernel against its
-torch reference, and chunk_kda end to end on the torch path (the suite's other KDA tests run native
-wherever a compiler exists, as on CI)."""
+torch path (KDA's UT solve and chunk-local pass, MLA's online-softmax step; SiTU's in test_glu.py), and
+chunk_kda end to end on the torch path (the suite's other tests run native wherever a compiler exists,
+as on CI)."""
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ from k3.ops.kda import chunk_kda, naive_recurrent_kda
 from k3.ops.kda.halves import halves_local, halves_local_ref
 from k3.ops.kda.scratch import Workspace
 from k3.ops.kda.solve import unit_lower_solve_, unit_lower_solve_blocks_, unit_lower_solve_ref
+from k3.ops.mla import causal_mask, mla_attention_blockwise, mla_attention_naive, ragged_causal_mask
 
 
 @pytest.fixture
@@ -184,3 +186,30 @@ def test_chunk_kda_native_equals_torch_path(monkeypatch):
     o_torch, s_torch = chunk_kda(q, k, v, g, beta, output_final_state=True)
     torch.testing.assert_close(o_native, o_torch, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(s_native, s_torch, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("expand", [False, True])
+@pytest.mark.parametrize("mask", ["causal", "ragged", "none"])
+def test_native_online_softmax_matches_the_torch_step(monkeypatch, expand, mask):
+    """mla_attention_blockwise with the native block step == with the torch ops, both forms, causal
+    (queries = the last T keys), ragged rows (row 0 sees 5..41 keys: most blocks fully masked for it)
+    and unmasked; and both == the dense naive attention."""
+    require("online_softmax")
+    g = torch.Generator().manual_seed(0)
+    B, T, S, H, R, Dr, Dn, Dv = 2, 37, 300, 3, 16, 8, 12, 10
+    qn, qp = torch.randn(B, T, H, Dn, generator=g), torch.randn(B, T, H, Dr, generator=g)
+    c, kp = torch.randn(B, S, R, generator=g), torch.randn(B, S, Dr, generator=g)
+    wuk, wuv = torch.randn(H, Dn, R, generator=g) * 0.3, torch.randn(H, Dv, R, generator=g) * 0.3
+    kw = {"causal": {}, "ragged": {"q_offsets": torch.tensor([5, 200])}, "none": {"causal": False}}[mask]
+    fast = mla_attention_blockwise(qn, qp, c, kp, wuk, wuv, 0.3, block_size=64, expand=expand, **kw)
+    monkeypatch.setattr(native, "library", lambda name: None)
+    ref = mla_attention_blockwise(qn, qp, c, kp, wuk, wuv, 0.3, block_size=64, expand=expand, **kw)
+    torch.testing.assert_close(fast, ref, rtol=1e-5, atol=1e-6)
+    if mask == "ragged":
+        keep = ragged_causal_mask(kw["q_offsets"], T, S)
+    else:
+        keep = causal_mask(T, S) if mask == "causal" else None
+    k_nope = torch.einsum("bsr,hdr->bshd", c, wuk)
+    v = torch.einsum("bsr,hvr->bshv", c, wuv)
+    dense = mla_attention_naive(qn, qp, k_nope, kp, v, 0.3, keep)
+    torch.testing.assert_close(fast, dense, rtol=1e-5, atol=1e-5)

@@ -76,7 +76,8 @@ def test_module_equals_dequantized_routed_experts(impl, dtype):
     assert isinstance(ref, RoutedExperts) and ref.w1.dtype == dtype
     out = packed(z, weights, indices, impl=impl)
     assert out.dtype == dtype
-    assert torch.equal(out, ref(z, weights, indices, impl=impl))
+    with torch.no_grad():  # the packed weights carry no gradient: the same (no-grad) activation path
+        assert torch.equal(out, ref(z, weights, indices, impl=impl))
     torch.testing.assert_close(
         packed(z, weights, indices, impl="grouped"), packed(z, weights, indices, impl="naive")
     )
