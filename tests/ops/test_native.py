@@ -62,6 +62,8 @@ def test_missing_compiler_warns_and_falls_back(fresh_native, monkeypatch):
 
 
 def test_failed_build_warns_naming_the_error(fresh_native, monkeypatch, tmp_path):
+    if native.compiler() is None:
+        pytest.skip("no C compiler on this machine: nothing to fail")
     src = tmp_path / "csrc"
     src.mkdir()
     (src / "broken.c").write_text("this is not C\n")
