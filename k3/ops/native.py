@@ -76,9 +76,12 @@ def _build_and_load(name: str) -> ctypes.CDLL | None:
 def _compile(cc: str, source: Path, path: Path) -> str | None:
     """Compile to a temporary file beside `path`, then rename it into place (concurrent builders, e.g.
     the ranks of one job, each write their own file; the last rename wins, all with the same bytes)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
-    os.close(fd)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
+        os.close(fd)
+    except OSError as e:  # e.g. a read-only home: no cache, no kernel
+        return f"cannot write the kernel cache {path.parent}: {e}"
     try:
         cmd = [cc, *FLAGS, "-I", str(source.parent), "-o", tmp, str(source)]
         run = subprocess.run(cmd, capture_output=True, text=True, timeout=120)

@@ -73,6 +73,16 @@ def test_failed_build_warns_naming_the_error(fresh_native, monkeypatch, tmp_path
     assert not list(tmp_path.glob("native/*/*.so"))  # nothing half-written left in the cache
 
 
+def test_unwritable_cache_warns_and_falls_back(fresh_native, monkeypatch, tmp_path):
+    if native.compiler() is None:
+        pytest.skip("no C compiler on this machine")
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("a file where the cache directory should be")
+    monkeypatch.setenv("K3_CACHE_DIR", str(blocker))
+    with pytest.warns(UserWarning, match="cannot write the kernel cache"):
+        assert native.library("unit_lower_solve") is None
+
+
 def test_switched_off_by_the_environment(fresh_native, monkeypatch):
     monkeypatch.setenv("K3_NATIVE", "0")
     assert native.library("unit_lower_solve") is None
