@@ -1,4 +1,4 @@
-/* Shared by the native kernels (k3/ops/csrc/*.c): a vectorisable single-precision exp. */
+/* Shared by the native kernels (the .c files beside it): a vectorisable single-precision exp. */
 #ifndef K3_EXP_POLY_H
 #define K3_EXP_POLY_H
 

@@ -14,7 +14,7 @@
  *
  * Inputs are strided views (chunk, head, token, channel); the channel stride must be 1. Outputs are
  * contiguous, in the layouts of halves.py. exp is a polynomial the compiler vectorises (~2 ulp), fed
- * only arguments in [-87, 88] (halves.py's bounds and its EXP_FLOOR clamp).
+ * only arguments in [-87, 88] (halves.py's bounds; exp_poly's own clamp at -87 is halves.py's EXP_FLOOR).
  */
 #include <math.h>
 #include <stdint.h>
@@ -23,23 +23,18 @@
 
 #include "exp_poly.h"
 
-#define EXP_FLOOR (-87.0f)
-
-static inline float clamp_floor(float x) { return x < EXP_FLOOR ? EXP_FLOOR : x; }
-
-/* per-channel factors of one matrix from the half totals tot0, tot1 [K] */
+/* per-channel factors of one matrix from the half totals tot0, tot1 [K]: exp(tot_a / 2) (which is also
+ * exp(mid_0) and the second half's exp(tail)), exp(mid_1), the first half's exp(tail), exp(tot0 + tot1) */
 static void channel_factors(const float *restrict tot0, const float *restrict tot1, float *restrict e_half0,
-                            float *restrict e_half1, float *restrict e_mid0, float *restrict e_mid1,
-                            float *restrict e_tail0, float *restrict e_tail1, float *restrict decay, int64_t K) {
+                            float *restrict e_half1, float *restrict e_mid1, float *restrict e_tail0,
+                            float *restrict decay, int64_t K) {
     for (int64_t c = 0; c < K; c++) {
         const float half0 = tot0[c] * 0.5f, half1 = tot1[c] * 0.5f, dec = tot0[c] + tot1[c];
         e_half0[c] = exp_poly(half0);
         e_half1[c] = exp_poly(half1);
-        e_mid0[c] = exp_poly(clamp_floor(half0));
-        e_mid1[c] = exp_poly(clamp_floor(tot0[c] + half1));
-        e_tail0[c] = exp_poly(clamp_floor(dec - half0));
-        e_tail1[c] = exp_poly(clamp_floor(half1));
-        decay[c] = exp_poly(clamp_floor(dec));
+        e_mid1[c] = exp_poly(tot0[c] + half1);
+        e_tail0[c] = exp_poly(dec - half0);
+        decay[c] = exp_poly(dec);
     }
 }
 
@@ -84,10 +79,9 @@ void k3_kda_halves_prep(
     int64_t G, int64_t BH, int64_t C, int64_t K, int64_t V, float scale, float eps,
     float *rows, float *cols, float *qg, float *X, float *kdec, float *decay) {
     const int64_t h = C / 2, hK = h * K;
-    float *gin = malloc(sizeof(float) * (size_t)(C * K + 6 * K));
-    float *vec = gin + C * K;  /* 6 per-channel vectors */
-    float *e_half0 = vec, *e_half1 = vec + K, *e_mid0 = vec + 2 * K, *e_mid1 = vec + 3 * K;
-    float *e_tail0 = vec + 4 * K, *e_tail1 = vec + 5 * K;
+    float *gin = malloc(sizeof(float) * (size_t)(C * K + 4 * K));
+    float *vec = gin + C * K;  /* 4 per-channel vectors */
+    float *e_half0 = vec, *e_half1 = vec + K, *e_mid1 = vec + 2 * K, *e_tail0 = vec + 3 * K;
     for (int64_t gi = 0; gi < G; gi++) {
         for (int64_t b = 0; b < BH; b++) {
             const int64_t p = gi * BH + b;
@@ -106,11 +100,11 @@ void k3_kda_halves_prep(
                     for (int64_t c = 0; c < K; c++) out[c] = out[c - K] + gt[c];
             }
             const float *tot0 = gin + (h - 1) * K, *tot1 = gin + (C - 1) * K;
-            channel_factors(tot0, tot1, e_half0, e_half1, e_mid0, e_mid1, e_tail0, e_tail1, decay + p * K, K);
+            channel_factors(tot0, tot1, e_half0, e_half1, e_mid1, e_tail0, decay + p * K, K);
             for (int64_t t = 0; t < C; t++) {
                 const int64_t a = t / h, r = t % h;
                 const float *qt = qp + t * sq.t, *kt = kp + t * sk.t, *vt = vp + t * sv.t, *gt = gin + t * K;
-                const float *tot = a ? tot1 : tot0, *e_mid = a ? e_mid1 : e_mid0, *e_tail = a ? e_tail1 : e_tail0;
+                const float *tot = a ? tot1 : tot0, *e_mid = a ? e_mid1 : e_half0, *e_tail = a ? e_half1 : e_tail0;
                 const float bt = bp[t * sb.t];
                 const float iq = scale / sqrtf(sum_squares(qt, K) + eps);
                 const float ik = 1.0f / sqrtf(sum_squares(kt, K) + eps), ikb = ik * bt;
