@@ -39,8 +39,8 @@ def _paged_mla_decode(q_nope, q_pe, latent, pool, block_tables, lengths, w_uk, w
     if H * S > mla_layer.DENSE_MAX_SCORES:  # long context: stream page blocks (read per call: tests set it)
         state.write(latent)
         q_pos = query_positions(1, S, lengths if ragged else None, q_nope.device)
-        block = max(mla_layer.MIN_BLOCK, min(mla_layer.MAX_BLOCK, mla_layer.DENSE_MAX_SCORES // (B * H)))
-        o = mla_attention_over_blocks(q_nope, q_pe, state.blocks(block), w_uk, w_uv, scale, q_pos)
+        blocks = state.blocks(mla_layer.stream_block(B, H, 1))
+        o = mla_attention_over_blocks(q_nope, q_pe, blocks, w_uk, w_uv, scale, q_pos)
         return o.to(pool.dtype)
     mask = ragged_causal_mask(lengths, 1, S) if ragged else None
     return mla_attention_latent(q_nope, q_pe, state.append(latent), w_uk, w_uv, scale, mask).to(pool.dtype)

@@ -59,6 +59,12 @@ MIN_BLOCK = 128  # keys per block at least (bounds the Python loop for many head
 MAX_BLOCK = 512  # keys per block at most: smaller score blocks stay in cache between matmul, exp and sum
 
 
+def stream_block(B: int, H: int, T: int) -> int:
+    """Keys per block when B rows of T queries and H heads stream a state: as many as keep the scores
+    within DENSE_MAX_SCORES, within [MIN_BLOCK, MAX_BLOCK] (read at call time: tests change them)."""
+    return max(MIN_BLOCK, min(MAX_BLOCK, DENSE_MAX_SCORES // (B * H * T)))
+
+
 def doc_positions(doc_ids: torch.Tensor) -> torch.Tensor:
     """doc_ids [B, T] (documents contiguous within a row) -> each token's position in its document [B, T]."""
     T = doc_ids.shape[1]
@@ -145,7 +151,7 @@ class MLAAttention(nn.Module):
     def _attend_stream(self, q_nope, q_pe, state, S: int, lengths) -> torch.Tensor:
         """Queries [B, T, H, *] over the state's latent blocks (online softmax) -> o [B, T, H, Dv]."""
         B, T, H, _ = q_nope.shape
-        block = max(MIN_BLOCK, min(MAX_BLOCK, DENSE_MAX_SCORES // (B * H * T)))
+        block = stream_block(B, H, T)
         q_pos = query_positions(T, S, lengths, q_nope.device)
         w_uk, w_uv = self._absorbed_weights()
         expand = expand_pays(T, self.kv_lora_rank, self.nope_dim, self.v_dim)

@@ -12,7 +12,6 @@ Shapes: `gate`, `up` [..., I] -> [..., I].
 
 import contextlib
 import contextvars
-import ctypes
 import warnings
 from collections.abc import Callable
 from functools import partial
@@ -136,24 +135,20 @@ def situ_glu(gate: torch.Tensor, up: torch.Tensor, beta1: float = 4.0, beta2: fl
     return situ_glu_inplace(gate, up, beta1, beta2)
 
 
+_SITU_ARGS = [native.PTR] * 3 + [native.I64, native.F32, native.F32]  # k3_situ_glu(gate, up, out, n, b1, b2)
+
+
 def situ_glu_native(
     gate: torch.Tensor, up: torch.Tensor, beta1: float = 4.0, beta2: float = 25.0
 ) -> torch.Tensor | None:
     """`situ_glu_fused`'s formulation as one vectorised C pass (`k3/ops/csrc/situ_glu.c`): fp32 CPU
     tensors of one shape, no autograd -> a new tensor; None when the kernel is not built or the inputs
     do not fit (the caller then takes a torch path). ~1e-6 relative of the reference, like the fused form."""
-    lib = native.library("situ_glu")
-    fits = gate.shape == up.shape and all(
-        t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous() for t in (gate, up)
-    )
-    if lib is None or not fits:
+    fits = gate.shape == up.shape and gate.is_contiguous() and up.is_contiguous() and native.takes(gate, up)
+    fn = native.function("situ_glu", "k3_situ_glu", _SITU_ARGS) if fits else None
+    if fn is None:
         return None
     out = torch.empty_like(gate)
-    fn = lib.k3_situ_glu
-    if fn.argtypes is None:
-        ptr = ctypes.c_void_p
-        fn.argtypes = [ptr, ptr, ptr, ctypes.c_int64, ctypes.c_float, ctypes.c_float]
-        fn.restype = None
     fn(gate.data_ptr(), up.data_ptr(), out.data_ptr(), gate.numel(), float(beta1), float(beta2))
     return out
 

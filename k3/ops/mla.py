@@ -30,8 +30,6 @@ softmax are computed in fp32; the output has v's (or c_kv's) dtype. A query row 
 undefined (NaN in the dense references); causal masks never produce one.
 """
 
-import ctypes
-
 import torch
 
 from k3.ops import native
@@ -274,9 +272,9 @@ def mla_attention_over_blocks(
     for lat in blocks:
         dtype, s, lat = lat.dtype, lat.shape[1], lat.float()
         keys, values = _block_keys(lat, w_uk, w_uv, H) if expand else (lat, lat[..., :R])
+        masked = q_pos is not None and s0 + s - 1 > q_lo  # only blocks reaching past q_lo need the mask
         if step is not None:  # the same block step in one native pass (p written over the scores)
             scores = torch.bmm(q, keys.mT)
-            masked = q_pos is not None and s0 + s - 1 > q_lo
             limit = q_rows - (s0 - 1) if masked else None  # row r sees this block's keys j < limit[r]
             corr = step(scores, m, l, limit)
             acc = acc.mul_(corr).baddbmm_(scores, values)
@@ -284,7 +282,7 @@ def mla_attention_over_blocks(
             continue
         scores = (q @ keys.mT).view(B, H, T, s)
         keep = None
-        if q_pos is not None and s0 + s - 1 > q_lo:  # only blocks reaching past q_lo need the mask
+        if masked:
             keep = torch.arange(s0, s0 + s, device=q.device)[None, None, :] <= q_pos[:, :, None]
         if doc_iter is not None:
             same = q_doc_ids[:, :, None] == next(doc_iter)[:, None, :]
@@ -307,20 +305,18 @@ def mla_attention_over_blocks(
     return torch.einsum("bhtr,hvr->bthv", o, w_uv.float()).to(dtype)
 
 
+# k3_online_softmax_block(scores, R, s, ld, limit, m, l, corr)
+_SOFTMAX_ARGS = [native.PTR] + [native.I64] * 3 + [native.PTR] * 4
+
+
 def _native_softmax_step(q: torch.Tensor):
     """The native online-softmax block step (`k3/ops/csrc/online_softmax.c`) for fp32 CPU queries without
     autograd, or None (no compiler, another device or dtype, a gradient: the torch ops run instead).
     -> step(scores [batch, rows, s], m, l [batch, rows, 1], limit [batch*rows] int64 | None) -> corr."""
-    grad = torch.is_grad_enabled() and q.requires_grad
-    fits = q.dtype == torch.float32 and q.device.type == "cpu" and not grad
-    lib = native.library("online_softmax") if fits else None
-    if lib is None:
+    fits = native.takes(q) and not (torch.is_grad_enabled() and q.requires_grad)
+    fn = native.function("online_softmax", "k3_online_softmax_block", _SOFTMAX_ARGS) if fits else None
+    if fn is None:
         return None
-    fn = lib.k3_online_softmax_block
-    if fn.argtypes is None:
-        ptr, i64 = ctypes.c_void_p, ctypes.c_int64
-        fn.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, ptr]
-        fn.restype = None
 
     def step(scores, m, l, limit):
         corr = torch.empty_like(m)

@@ -21,6 +21,8 @@ import threading
 import warnings
 from pathlib import Path
 
+import torch
+
 CSRC = Path(__file__).parent / "csrc"
 # no errno from math calls, no reliance on floating-point traps: both let gcc vectorise sqrt, exp
 # polynomials and branchless clamps; IEEE results are otherwise unchanged (no -ffast-math)
@@ -49,6 +51,26 @@ def library(name: str) -> ctypes.CDLL | None:
         if name not in _libs:
             _libs[name] = _build_and_load(name)
         return _libs[name]
+
+
+PTR, I64, F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float  # the kernels' argument types
+
+
+def function(name: str, symbol: str, argtypes: list):
+    """C function `symbol` of library `name` with its argument types set (every kernel returns void),
+    or None when the library is not built (the caller takes its torch path)."""
+    lib = library(name)
+    if lib is None:
+        return None
+    fn = getattr(lib, symbol)
+    if fn.argtypes is None:
+        fn.argtypes, fn.restype = argtypes, None
+    return fn
+
+
+def takes(*tensors) -> bool:
+    """Whether every tensor is fp32 on the CPU: the only kind the kernels read or write."""
+    return all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors)
 
 
 def reset() -> None:

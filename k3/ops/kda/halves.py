@@ -51,20 +51,21 @@ def halves_fit(g: torch.Tensor, l2norm: bool, scale: float) -> bool:
 
 def halves_local(q, k, v, g, beta, scale: float, A_qk, A_kk, X, ws: Workspace):
     """`halves_local_ref` with its elementwise part in one native pass when the kernel is built."""
-    lib = native.library("kda_halves")
-    if lib is None or not _native_fits(q, k, v, g, beta, A_qk, X):
+    prep = native.function("kda_halves", "k3_kda_halves_prep", _PREP_ARGS)
+    causal_rows = native.function("kda_halves", "k3_kda_causal_rows", _CAUSAL_ROWS_ARGS)
+    if prep is None or not _native_fits(q, k, v, g, beta, A_qk, X):
         return halves_local_ref(q, k, v, g, beta, scale, A_qk, A_kk, X, ws)
     G, BH, C, K = q.shape
     M, V, h = G * BH, v.shape[-1], C // 2
     rows, cols = ws.get("rows", q, G, BH, 2, 2, h, K), ws.get("cols", q, G, BH, 2, 2, h, K)
     qg, k_dec, decay = ws.get("qg", q, M, C, K), ws.get("k_dec", q, M, C, K), ws.get("decay", q, M, K)
-    _prep_fn(lib)(
+    prep(
         *(arg for t in (q, k, v, g, beta) for arg in (t.data_ptr(), _Strides3(*t.stride()[:3]))),
         G, BH, C, K, V, float(scale), L2NORM_EPS,
         *(t.data_ptr() for t in (rows, cols, qg, X, k_dec, decay)),
     )  # fmt: skip
     A = torch.bmm(rows.view(2 * M, 2 * h, K), cols.view(2 * M, C, K).mT, out=ws.get("A", q, 2 * M, 2 * h, C))
-    lib.k3_kda_causal_rows(ctypes.c_void_p(A.data_ptr()), ctypes.c_void_p(A_qk.data_ptr()), M, C)
+    causal_rows(A.data_ptr(), A_qk.data_ptr(), M, C)
     A_k = A.view(M, 2, 2, h, C)[:, :, 1]
     if A_kk is not None:
         A_kk.view(M, 2, h, C).copy_(A_k)
@@ -145,18 +146,12 @@ class _Strides3(ctypes.Structure):
 
 def _native_fits(q, k, v, g, beta, A_qk, X) -> bool:
     """The native kernel's layout: fp32 CPU tensors, unit channel strides, A_qk and X contiguous."""
-    tensors = (q, k, v, g, beta, A_qk, X)
-    if any(t.dtype != torch.float32 or t.device.type != "cpu" for t in tensors):
+    if not native.takes(q, k, v, g, beta, A_qk, X):
         return False
     return all(t.stride(-1) == 1 for t in (q, k, v, g)) and A_qk.is_contiguous() and X.is_contiguous()
 
 
-def _prep_fn(lib):
-    fn = lib.k3_kda_halves_prep
-    if fn.argtypes is None:
-        ptr, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
-        fn.argtypes = [ptr, _Strides3] * 5 + [i64] * 5 + [f32, f32] + [ptr] * 6
-        fn.restype = None
-        lib.k3_kda_causal_rows.argtypes = [ptr, ptr, i64, i64]
-        lib.k3_kda_causal_rows.restype = None
-    return fn
+# k3_kda_halves_prep(q, sq, k, sk, v, sv, g, sg, beta, sb, G, BH, C, K, V, scale, eps, rows, cols, qg, X,
+# kdec, decay) and k3_kda_causal_rows(A, A_qk, M, C)
+_PREP_ARGS = [native.PTR, _Strides3] * 5 + [native.I64] * 5 + [native.F32] * 2 + [native.PTR] * 6
+_CAUSAL_ROWS_ARGS = [native.PTR, native.PTR, native.I64, native.I64]

@@ -77,21 +77,18 @@ def _one_matrix(A00, A10, A11) -> bool:
     return same_strides and A11.data_ptr() == A10.data_ptr() + h * A10.element_size()
 
 
+# k3_unit_lower_solve(A, a_batch, a_half, a_row, h, X, x_batch, x_row, M, C, N, transpose)
+_SOLVE_ARGS = [native.PTR, *[native.I64] * 4, native.PTR, *[native.I64] * 5, ctypes.c_int]
+
+
 def _native(A, A_lo, half_bytes: int, h: int, X, transpose: bool) -> bool:
     """Run the native kernel if it is built and the layout fits: fp32 CPU, unit column strides. `A` holds
     rows [0, h) of each system, `A_lo` the rows from h on, `half_bytes` apart. -> whether it ran."""
-    lib = native.library("unit_lower_solve")
-    tensors = (A, A_lo, X)
-    if lib is None or any(t.dtype != torch.float32 or t.device.type != "cpu" for t in tensors):
-        return False
-    if X.dim() != 3 or A.stride(-1) != 1 or X.stride(-1) != 1 or half_bytes % 4:
+    layout = X.dim() == 3 and A.stride(-1) == 1 and X.stride(-1) == 1 and half_bytes % 4 == 0
+    fn = native.function("unit_lower_solve", "k3_unit_lower_solve", _SOLVE_ARGS) if layout else None
+    if fn is None or not native.takes(A, A_lo, X):
         return False
     M, C, N = X.shape
-    fn = lib.k3_unit_lower_solve
-    if fn.argtypes is None:
-        i64, ptr = ctypes.c_int64, ctypes.c_void_p
-        fn.argtypes = [ptr, i64, i64, i64, i64, ptr, i64, i64, i64, i64, i64, ctypes.c_int]
-        fn.restype = None
     fn(A.data_ptr(), A.stride(0), half_bytes // 4, A.stride(1), h,
        X.data_ptr(), X.stride(0), X.stride(1), M, C, N, int(transpose))  # fmt: skip
     return True
