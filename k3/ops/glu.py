@@ -118,8 +118,8 @@ def situ_glu(gate: torch.Tensor, up: torch.Tensor, beta1: float = 4.0, beta2: fl
     """SiTU-GLU: β₁·tanh(g/β₁)·σ(g) · β₂·tanh(u/β₂), in fp32, cast back to `gate.dtype`.
 
     Takes `situ_glu_reference` when a gradient is needed. Without one: `situ_glu_fused` (to ~1e-6) while
-    torch.compile traces the caller; else the native kernel when it is built (`situ_glu_native`, the
-    same formulation in one C pass); else `situ_glu_fused` compiled on its own inside
+    torch.compile traces the caller; else the native kernel when it is built (`situ_glu_native`, one C
+    pass); else `situ_glu_fused` compiled on its own inside
     `fused_activations()`, or `situ_glu_inplace` (the reference's values bit for bit)."""
     if torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad):
         return situ_glu_reference(gate, up, beta1, beta2)
@@ -141,9 +141,11 @@ _SITU_ARGS = [native.PTR] * 3 + [native.I64, native.F32, native.F32]  # k3_situ_
 def situ_glu_native(
     gate: torch.Tensor, up: torch.Tensor, beta1: float = 4.0, beta2: float = 25.0
 ) -> torch.Tensor | None:
-    """`situ_glu_fused`'s formulation as one vectorised C pass (`k3/ops/csrc/situ_glu.c`): fp32 CPU
-    tensors of one shape, no autograd -> a new tensor; None when the kernel is not built or the inputs
-    do not fit (the caller then takes a torch path). ~1e-6 relative of the reference, like the fused form."""
+    """SiTU-GLU as one vectorised C pass (`k3/ops/csrc/situ_glu.c`): fp32 CPU tensors of one shape, no
+    autograd -> a new tensor; None when the kernel is not built or the inputs do not fit (the caller then
+    takes a torch path). Written in |g|, |u| with expm1 so that the three factors share one division and
+    no series is needed near 0; two exponentials per element when β₁ = 4. Within ~5e-7 relative of the
+    float64 truth (the reference: ~3e-7)."""
     fits = gate.shape == up.shape and gate.is_contiguous() and up.is_contiguous() and native.takes(gate, up)
     fn = native.function("situ_glu", "k3_situ_glu", _SITU_ARGS) if fits else None
     if fn is None:

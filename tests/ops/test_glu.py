@@ -172,6 +172,26 @@ def test_situ_native_matches_float64_like_the_reference(betas):
         assert torch.equal(situ_glu(gate, up, *betas), situ_glu_native(gate, up, *betas))
 
 
+@pytest.mark.parametrize("betas", [(4.0, 25.0), (2.0, 3.0)], ids=["release", "other"])
+def test_situ_native_relative_accuracy_where_factors_are_small(betas):
+    """Relative error against float64 with no floor, where each factor is tiny: σ(g) for g in [-80, -5]
+    (exp(-|g|) must not come from 1 + expm1, which cancels there), tanh near 0 for |g|, |u| down to 1e-30
+    (expm1, not 1 - exp), and both at once."""
+    g = torch.Generator().manual_seed(5)
+    n = 1 << 14
+    neg = -torch.empty(n).uniform_(5.0, 80.0, generator=g)
+    tiny = torch.logspace(-30, -1, n) * torch.where(torch.rand(n, generator=g) < 0.5, -1.0, 1.0)
+    mid = torch.randn(n, generator=g) * 3
+    gate, up = torch.cat([neg, tiny, neg, mid]), torch.cat([mid, mid, tiny, tiny])
+    got = situ_glu_native(gate, up, *betas)
+    if got is None:
+        pytest.skip("no C compiler on this machine: the native kernel cannot be built")
+    truth = _situ_f64(gate, up, *betas)
+    ok = truth.abs() > 1e-36  # keep float32-normal results (fp32 cannot hold the rest relatively)
+    rel = ((got.double() - truth).abs() / truth.abs())[ok]
+    assert ok.sum() > 3 * n and rel.max().item() < 1e-6
+
+
 def test_situ_native_declines_what_it_cannot_take():
     gate, up = _inputs(n=64)
     assert situ_glu_native(gate.bfloat16(), up.bfloat16()) is None

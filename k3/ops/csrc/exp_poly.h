@@ -5,10 +5,11 @@
 #include <stdint.h>
 #include <string.h>
 
-/* exp(x) for x in [-87, 88]: x = n ln2 + r, |r| <= ln2 / 2, exp(r) by Cephes' degree-6 polynomial.
- * Written so that gcc vectorises it (with -fno-trapping-math): ternary clamps, and n rounded to the
- * nearest integer by adding and subtracting 1.5 * 2^23 instead of a call to floorf. */
-static inline float exp_poly(float x) {
+/* The shared range reduction: x clamped to [-87, 88], x = n ln2 + r with |r| <= ln2 / 2; returns
+ * exp(r) - 1 - r = r^2 P(r) (Cephes' degree-6 polynomial for exp(r) without its first two terms) and
+ * sets *r and *two_n = 2^n. Written so that gcc vectorises it (with -fno-trapping-math): ternary clamps,
+ * and n rounded to the nearest integer by adding and subtracting 1.5 * 2^23 instead of a call to floorf. */
+static inline float exp_reduced(float x, float *r_out, float *two_n) {
     x = x < -87.0f ? -87.0f : x;
     x = x > 88.0f ? 88.0f : x;
     const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
@@ -19,11 +20,34 @@ static inline float exp_poly(float x) {
     p = p * r + 4.1665795894e-2f;
     p = p * r + 1.6666665459e-1f;
     p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    const int32_t bits = ((int32_t)n + 127) << 23;  /* 2^n */
-    float two_n;
-    memcpy(&two_n, &bits, sizeof two_n);
-    return p * two_n;
+    const int32_t bits = ((int32_t)n + 127) << 23;
+    memcpy(two_n, &bits, sizeof *two_n);
+    *r_out = r;
+    return p * r * r;
+}
+
+/* exp(x) for x in [-87, 88] (clamped outside). */
+static inline float exp_poly(float x) {
+    float r, two_n;
+    const float q = exp_reduced(x, &r, &two_n);
+    return (q + r + 1.0f) * two_n;
+}
+
+/* exp(x) - 1 for x in [-87, 88], without the cancellation of exp_poly(x) - 1 near 0: for |x| < ln2 / 2
+ * (n = 0) it is r + r^2 P(r) exactly as the polynomial gives it; elsewhere |result| > 0.29. */
+static inline float expm1_poly(float x) {
+    float r, two_n;
+    const float q = exp_reduced(x, &r, &two_n);
+    return (q + r) * two_n + (two_n - 1.0f);
+}
+
+/* exp(x) and exp(x) - 1 from one reduction, each as accurate as on its own (1 + expm1 would lose exp's
+ * relative accuracy where exp(x) is small). */
+static inline float exp_expm1_poly(float x, float *em1) {
+    float r, two_n;
+    const float q = exp_reduced(x, &r, &two_n);
+    *em1 = (q + r) * two_n + (two_n - 1.0f);
+    return (q + r + 1.0f) * two_n;
 }
 
 #endif
