@@ -24,7 +24,9 @@ state the new latents are stored and the queries attend causally over cache + ne
 
 * dense (the state's `append` returns all S latents, one [B, H, T, S] score tensor): when the attention
   is small, H*T*S <= DENSE_MAX_SCORES per row, or the state cannot stream, or `absorb` is given
-  (forcing the absorbed or naive form). Absorbed when T == 1, naive otherwise.
+  (forcing the absorbed or naive form). Without a state naive; with one, absorbed unless the chunk is
+  long enough for expanding every cached key to pay (`expand_pays`: T > 128 queries for k3-tiny, 171 for
+  the release), e.g. the short aligned remainder of a prompt over a long cache.
 * streaming (`write`, then `blocks`): otherwise, when the state provides `blocks` (the engine's paged
   state, and `MLAState`). Block size: DENSE_MAX_SCORES // (B*H*T) keys, at least MIN_BLOCK and at most
   MAX_BLOCK, so the score scratch stays ~DENSE_MAX_SCORES fp32 values at most whatever S is (nothing of
@@ -44,8 +46,8 @@ from k3.model.state import MLAState
 from k3.ops.mla import (
     causal_mask,
     expand_pays,
-    mla_attention_absorbed,
     mla_attention_causal,
+    mla_attention_latent,
     mla_attention_naive,
     mla_attention_over_blocks,
     query_positions,
@@ -131,10 +133,10 @@ class MLAAttention(nn.Module):
 
     def _attend(self, q_nope, q_pe, latent, mask, absorb: bool) -> torch.Tensor:
         """Queries [B, T, H, *] over latents [B, S, R+Dr] -> o [B, T, H, Dv]."""
-        c_kv, k_pe = latent.split([self.kv_lora_rank, self.rope_dim], dim=-1)
-        if absorb:
+        if absorb:  # the heads fold into the query rows over the latent as stored
             w_uk, w_uv = self._absorbed_weights()
-            return mla_attention_absorbed(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, self.scale, mask)
+            return mla_attention_latent(q_nope, q_pe, latent, w_uk, w_uv, self.scale, mask)
+        c_kv, k_pe = latent.split([self.kv_lora_rank, self.rope_dim], dim=-1)
         kv = self.kv_b_proj(c_kv).view(*c_kv.shape[:2], self.num_heads, self.nope_dim + self.v_dim)
         k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
         if mask is None:
@@ -195,7 +197,9 @@ class MLAAttention(nn.Module):
                 mask = ragged_causal_mask(lengths.to(x.device), T, S)
             else:
                 mask = None if T == 1 and doc_ids is None else causal_mask(T, S, x.device, doc_ids, doc_ids)
-            absorb = (state is not None and T == 1) if absorb is None else absorb
+            if absorb is None:  # with a cache, whichever form needs fewer multiply-adds (T == 1: absorbed)
+                expand = expand_pays(T, self.kv_lora_rank, self.nope_dim, self.v_dim)
+                absorb = state is not None and not expand
             o = self._attend(q_nope, q_pe, latent, mask, absorb)
         return self._output(x, o)
 
