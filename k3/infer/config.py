@@ -9,9 +9,11 @@ class EngineConfig:
     pools) and `max_num_seqs` KDA state slots. One step feeds at most `max_num_batched_tokens` tokens,
     a prefill chunk at most `max_prefill_chunk`. The prefix cache matches in units of `prefix_unit`
     tokens and keeps KDA snapshots within `snapshot_budget_bytes`, at most `snapshots_per_path` on one
-    conversation's chain. `compile` compiles the batch-1 decode step into one graph (k3.infer.decode_step)
-    and fuses the SiTU activations of prefill (k3.ops.glu.fused_activations): a C++ compiler at run time,
-    tens of seconds once."""
+    conversation's chain. `capture_snapshots`: the KDA state at the last aligned position before a
+    prompt's final token is captured inside the prompt's last chunk (k3.model.state.KDAState.capture_at)
+    instead of ending a chunk there, which costs a second, short forward per prompt. `compile` compiles
+    the batch-1 decode step into one graph (k3.infer.decode_step) and fuses the SiTU activations of
+    prefill (k3.ops.glu.fused_activations): a C++ compiler at run time, tens of seconds once."""
 
     page_size: int = 64
     num_pages: int = 512
@@ -23,6 +25,7 @@ class EngineConfig:
     prefix_unit: int = 64
     snapshot_budget_bytes: int = 1 << 30
     snapshots_per_path: int = 4
+    capture_snapshots: bool = True  # snapshot inside the last prompt chunk, not by pausing there
     compile: bool = False  # torch.compile the batch-1 decode step and the prefill activations
 
     def __post_init__(self):

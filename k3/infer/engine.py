@@ -168,6 +168,11 @@ class Engine:
         )
         for i in range(done, len(seq.block_hashes)):
             cache.add_page(seq.block_hashes[i], seq.block_table[i * u // ps])
+        if seq.captured is not None:  # the state at an aligned position inside this chunk
+            length, handle = seq.captured
+            seq.captured = None
+            if self.config.snapshot_budget_bytes:
+                cache.add_snapshot(seq.block_hashes, length, handle, self.runner.snapshot_nbytes)
         if seq.num_computed % u or self.config.snapshot_budget_bytes == 0:
             return
         handle = self.runner.snapshot(seq.slot)

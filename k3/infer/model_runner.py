@@ -110,9 +110,12 @@ class ModelRunner:
             [s.block_table for s in seqs], starts, n, self.config.page_size, self.device
         )
         slots = torch.tensor([s.slot for s in seqs], device=self.device)
+        capture = [s.capture - c if c < s.capture < c + n else -1 for s, c in zip(seqs, starts, strict=True)]
         state = []
         for i in range(self.model.config.num_hidden_layers):
             state.append(self.kda_state(i, slots) if i in self.kda else PagedMLAState(self.mla[i], batch))
+            if i in self.kda and max(capture) > 0:
+                state[-1].capture_at = capture
         if any(s.media for s in seqs):
             embed = self.model.model.embed_tokens
             rows = [
@@ -127,7 +130,18 @@ class ModelRunner:
             h = h[:, -1:]
         logits = self.model.lm_head(self.model.model.norm(h)).float()
         self.store_kda(state, slots)
+        for b, (s, p) in enumerate(zip(seqs, capture, strict=True)):
+            if p > 0:
+                s.captured = (s.capture, self.captured_snapshot(state, b))
         return logits
+
+    def captured_snapshot(self, state: list, row: int) -> tuple:
+        """The KDA states a forward captured for batch row `row`, as a snapshot handle (`snapshot`'s
+        layout and dtypes)."""
+        return tuple(
+            tuple(getattr(state[i].captured, f)[row].to(d[f].dtype).clone() for f in KDA_FIELDS)
+            for i, d in self.kda.items()
+        )
 
     def kda_state(self, layer: int, slots: torch.Tensor) -> KDAState:
         """KDA layer `layer`'s conv and recurrent states of the rows in `slots` [B] (gathered copies)."""

@@ -3,8 +3,9 @@
 Each `schedule()` call plans one model step within a token budget: running sequences first (a decode
 feeds 1 token, an unfinished prefill its next chunk), then waiting ones while a KDA slot and pages are
 free. With the prefix cache on, a prefill chunk that does not finish the prompt ends on a unit boundary,
-and a prompt always pauses at floor((P-1)/unit)*unit, so the KDA state there can be snapshotted (the
-last prompt token is always recomputed to produce logits). A chunk also ends where the cached MLA chain
+and the KDA state at floor((P-1)/unit)*unit is snapshotted (the last prompt token is always recomputed to
+produce logits): captured inside the prompt's last chunk (`EngineConfig.capture_snapshots`), or, with
+that off, by pausing the prompt there. A chunk also ends where the cached MLA chain
 outran the deepest snapshot at admission (a junction: a shared prefix that later requests branch from)
 so a snapshot lands there. When pages run out, cache-only pages are
 evicted first, then the newest running sequence is preempted: its memory is freed and it is requeued to
@@ -97,14 +98,19 @@ class Scheduler:
         """Tokens to feed this step; chunk ends land on cache units when the prompt is not finished."""
         c, remaining = seq.num_computed, seq.num_uncomputed
         n = min(remaining, budget, self.config.max_prefill_chunk)
+        seq.capture = 0
         if self.cache is None or seq.params.prompt_logprobs is not None:
             return n
         u = self.config.prefix_unit
         if n < remaining and (c + n) // u * u > c:
             n = (c + n) // u * u - c
-        for stop in (seq.junction, (len(seq) - 1) // u * u):
+        last = (len(seq) - 1) // u * u
+        for stop in (seq.junction, last):
             if c < stop < c + n:
-                n = stop - c
+                if stop == last and stop != seq.junction and self.config.capture_snapshots:
+                    seq.capture = stop  # the runner snapshots it inside this chunk
+                else:
+                    n = stop - c
         return n
 
     def _admit(self, seq: Sequence, budget: int, plan: StepPlan) -> bool:
@@ -166,7 +172,7 @@ class Scheduler:
         for page in seq.block_table:
             self.pages.decref(page)
         seq.block_table, seq.block_hashes, seq.num_computed = [], [], 0
-        seq.pending_snapshot = None
+        seq.pending_snapshot = seq.captured = None
 
     def preempt(self, seq: Sequence) -> None:
         """Free a running sequence's memory and requeue it first in line (recompute on return)."""

@@ -66,6 +66,8 @@ class Sequence:
     slot: int | None = None  # KDA state slot
     block_hashes: list[int] = field(default_factory=list)
     pending_snapshot: tuple[int, object] | None = None  # (length, handle) taken during decode
+    capture: int = 0  # this step's chunk also snapshots the KDA state at this position (0: none)
+    captured: tuple[int, object] | None = None  # (length, handle) the runner captured, for the engine
     finish_reason: str | None = None
     text: str = ""  # detokenized output (when the engine has a tokenizer), cut at a stop string
     cached_tokens: int = 0  # prompt tokens served from the prefix cache at admission

@@ -85,6 +85,16 @@ class GatedRMSNorm(nn.Module):
         return gated_rms_norm(o, gate, self.weight, self.eps)
 
 
+def _history_at(pre: torch.Tensor, hist: torch.Tensor | None, capture: list[int], final: torch.Tensor):
+    """The conv state after the first p_b tokens of each row: the last W-1 pre-conv inputs before p_b
+    (history included), [B, C, W-1] like `final` (the state after all T, kept for rows without one)."""
+    W1 = final.shape[-1]
+    B, _, C = pre.shape
+    hist = hist.to(pre.dtype) if hist is not None else pre.new_zeros(B, C, W1)
+    seq = torch.cat([hist, pre.transpose(1, 2)], -1)  # [B, C, W-1+T]: position j of the row at W-1+j
+    return torch.stack([seq[r, :, p : p + W1] if p > 0 else final[r] for r, p in enumerate(capture)])
+
+
 def _check_cu_seqlens(cu_seqlens: torch.Tensor, B: int, T: int) -> torch.Tensor:
     """cu_seqlens [N+1] over the flattened B*T tokens; every row boundary must be a document boundary."""
     if cu_seqlens.dim() != 1 or cu_seqlens.dtype not in (torch.int32, torch.int64):
@@ -181,23 +191,65 @@ class KimiDeltaAttention(nn.Module):
             x = x.reshape(1, B * T, D)
         b, t = x.shape[:2]
         st = state if state is not None else KDAState()
-        q, conv_q = self.q_conv1d(self.q_proj(x), st.conv_q, cu_seqlens)
-        k, conv_k = self.k_conv1d(self.k_proj(x), st.conv_k, cu_seqlens)
-        v, conv_v = self.v_conv1d(self.v_proj(x), st.conv_v, cu_seqlens)
+        capture = st.capture_at if st.capture_at is not None and any(p >= 0 for p in st.capture_at) else None
+        if capture is not None and (
+            cu_seqlens is not None or len(capture) != B or any(not (p == -1 or 0 < p < T) for p in capture)
+        ):
+            raise ValueError(
+                f"capture_at needs one position per row ({B}), each -1 or in (0, T={T}), and no "
+                f"cu_seqlens; got {capture}"
+            )
+        pre = [proj(x) for proj in (self.q_proj, self.k_proj, self.v_proj)]  # pre-conv inputs [b, t, C]
+        q, conv_q = self.q_conv1d(pre[0], st.conv_q, cu_seqlens)
+        k, conv_k = self.k_conv1d(pre[1], st.conv_k, cu_seqlens)
+        v, conv_v = self.v_conv1d(pre[2], st.conv_v, cu_seqlens)
         g = kda_gate(
             self.f_b_proj(self.f_a_proj(x)).view(b, t, H, K), self.A_log, self.dt_bias, self.lower_bound
         )
         beta = torch.sigmoid(self.b_proj(x).float())  # [b, t, H]
-        op = recurrent_kda if state is not None and T <= RECURRENT_MAX_T else chunk_kda
-        o, recurrent = op(
-            q.view(b, t, H, K), k.view(b, t, H, K), v.view(b, t, H, K), g, beta,
-            initial_state=st.recurrent, output_final_state=state is not None, use_qk_l2norm=True,
-            cu_seqlens=cu_seqlens,
-        )  # fmt: skip
+        heads = (q.view(b, t, H, K), k.view(b, t, H, K), v.view(b, t, H, K), g, beta)
+        if capture is None:
+            op = recurrent_kda if state is not None and T <= RECURRENT_MAX_T else chunk_kda
+            o, recurrent = op(
+                *heads, initial_state=st.recurrent, output_final_state=state is not None,
+                use_qk_l2norm=True, cu_seqlens=cu_seqlens,
+            )  # fmt: skip
+        else:
+            o, recurrent, at_p = self._captured_recurrence(heads, st.recurrent, capture)
+            hists, finals = (st.conv_q, st.conv_k, st.conv_v), (conv_q, conv_k, conv_v)
+            convs = [_history_at(u, h, capture, f) for u, h, f in zip(pre, hists, finals, strict=True)]
+            state.captured = KDAState(*convs, recurrent=at_p)
         if state is not None:
             state.conv_q, state.conv_k, state.conv_v, state.recurrent = conv_q, conv_k, conv_v, recurrent
         o = self.o_norm(o, self._output_gate(x).view(b, t, H, K))
         return self.o_proj(o.reshape(B, T, H * K))
+
+    def _captured_recurrence(self, heads, initial: torch.Tensor | None, capture: list[int]):
+        """The delta rule over each row in two calls, split at the row's capture position p: -> o, the
+        final state and the state after p tokens ([B, H, K, V] fp32; a row without a capture gets its
+        final state there). Rows that share p run together."""
+        B, T = heads[0].shape[:2]
+        o, final, at_p = [None] * B, [None] * B, [None] * B
+        for p in sorted(set(capture)):
+            rows = [r for r in range(B) if capture[r] == p]
+            sel = torch.tensor(rows, device=heads[0].device)
+            part = [h.index_select(0, sel) for h in heads]
+            state = None if initial is None else initial.index_select(0, sel)
+            outs = []
+            for lo, hi in ((0, p), (p, T)) if p > 0 else ((0, T),):
+                op = recurrent_kda if hi - lo <= RECURRENT_MAX_T else chunk_kda
+                out, state = op(
+                    *(h[:, lo:hi] for h in part), initial_state=state, output_final_state=True,
+                    use_qk_l2norm=True,
+                )  # fmt: skip
+                outs.append(out)
+                if hi == p:
+                    mid = state
+            o_rows = torch.cat(outs, 1)
+            for i, r in enumerate(rows):
+                o[r], final[r] = o_rows[i], state[i]
+                at_p[r] = mid[i] if p > 0 else state[i]
+        return torch.stack(o), torch.stack(final), torch.stack(at_p)
 
     def decode_step(self, x: torch.Tensor, state: KDAState) -> torch.Tensor:
         """One token per row: x [B, 1, D], a full `state` (updated in place) -> y [B, 1, D].

@@ -11,6 +11,7 @@ KDA layer (`KDAState`), C_q = C_k = H*K, C_v = H*V, W = short_conv_kernel_size:
     reads   conv_q, conv_k, conv_v   [B, C, W-1] model dtype, last W-1 pre-conv inputs; None = no history
             recurrent                [B, H, K, V] fp32 delta-rule state S;              None = zeros
     writes  the same four attributes after the call (new tensors; the old ones are not modified in place)
+    optional: capture_at [B] positions inside the call -> captured (the four states after p tokens)
 
 MLA layer (`MLAState`), R = kv_lora_rank, Dr = qk_rope_head_dim, L = R + Dr (latent width):
     reads   length                   int, tokens already cached (the causal offset of the new queries)
@@ -51,12 +52,20 @@ from k3.config import K3Config
 
 @dataclass
 class KDAState:
-    """Conv histories [B, C, W-1] (model dtype) and recurrent state [B, H, K, V] (fp32); None = empty."""
+    """Conv histories [B, C, W-1] (model dtype) and recurrent state [B, H, K, V] (fp32); None = empty.
+
+    `capture_at` (optional, set by the caller): per row, a position p with 0 < p < T of this call's T
+    tokens (or -1): the layer then also leaves the state after exactly the first p tokens of that row in
+    `captured` (a KDAState of [B, ...] tensors; rows without a capture hold their final state). The
+    engine uses it to snapshot an aligned position inside a prefill chunk instead of ending the chunk
+    there (one forward instead of two)."""
 
     conv_q: torch.Tensor | None = None
     conv_k: torch.Tensor | None = None
     conv_v: torch.Tensor | None = None
     recurrent: torch.Tensor | None = None
+    capture_at: list[int] | None = None
+    captured: KDAState | None = None
 
     @classmethod
     def zeros(cls, config: K3Config, batch_size: int, device=None, dtype=torch.bfloat16) -> KDAState:

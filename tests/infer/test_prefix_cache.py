@@ -33,10 +33,14 @@ def session(engine, prompt, turns=10, salt="", noise=False):
     return outs, cached
 
 
-@pytest.mark.parametrize("page_size", [16, 32], ids=["page=unit", "page=2unit_cow"])
-def test_cache_on_equals_off_over_ten_turns(nano, prompt, page_size):
+@pytest.mark.parametrize(
+    ("page_size", "capture"),
+    [(16, True), (32, True), (16, False)],
+    ids=["page=unit", "page=2unit_cow", "pausing"],
+)
+def test_cache_on_equals_off_over_ten_turns(nano, prompt, page_size, capture):
     off, _ = session(Engine(nano, cfg(enable_prefix_cache=False)), prompt)
-    on_engine = Engine(nano, cfg(page_size=page_size))
+    on_engine = Engine(nano, cfg(page_size=page_size, capture_snapshots=capture))
     on, cached = session(on_engine, prompt)
     assert on == off
     assert cached[0] == 0 and all(c > 0 for c in cached[2:])
@@ -44,11 +48,17 @@ def test_cache_on_equals_off_over_ten_turns(nano, prompt, page_size):
     assert m["prefix_cache_hit_tokens"] / m["prefix_cache_queried_tokens"] > 0.6
 
 
-def test_snapshot_invariant(nano, prompt):
-    """Every snapshot at length p equals the KDA state after exactly the first p tokens."""
-    engine = Engine(nano, cfg(max_prefill_chunk=40))
+@pytest.mark.parametrize("capture", [True, False], ids=["captured_in_chunk", "paused_at"])
+def test_snapshot_invariant(nano, prompt, capture):
+    """Every snapshot at length p equals the KDA state after exactly the first p tokens, whether the one
+    before the last prompt token (144 here) is captured inside the last chunk or the prompt pauses there."""
+    engine = Engine(nano, cfg(max_prefill_chunk=40, capture_snapshots=capture))
     p = prompt(150, 3)
+    fed = []
+    execute = engine.runner.execute
+    engine.runner.execute = lambda plan: fed.append([n for _, n in plan.items]) or execute(plan)
     (seq,) = engine.generate([p], SamplingParams(max_tokens=30, ignore_eos=True))
+    assert fed[:5] == ([[32], [32], [32], [32], [22]] if capture else [[32], [32], [32], [32], [16]])
     tokens = seq.tokens
     snaps = list(engine.scheduler.cache.snaps.values())
     lengths = sorted(s.length for s in snaps)

@@ -18,16 +18,28 @@ def run_step(sched: Scheduler):
     return plan
 
 
-def test_chunks_align_to_units_and_pause_before_the_last_token():
-    cfg = EngineConfig(page_size=16, prefix_unit=16, num_pages=32, max_model_len=512, max_prefill_chunk=40)
+def _chunk_ends(cfg: EngineConfig, n: int = 100) -> tuple[list[int], list[int]]:
+    """(num_computed after each step, the capture position each step's chunk carried) for one prompt."""
     sched = Scheduler(cfg)
-    seq = Sequence(list(range(100)))
+    seq = Sequence(list(range(n)))
     sched.add(seq)
-    ends = []
-    while seq.num_computed < 100:
+    ends, captures = [], []
+    while seq.num_computed < n:
         run_step(sched)
         ends.append(seq.num_computed)
-    assert ends == [32, 64, 96, 100]  # 40-token budget rounded to units; 96 = floor(99/16)*16
+        captures.append(seq.capture)
+    return ends, captures
+
+
+def test_chunks_align_to_units_and_snapshot_before_the_last_token():
+    cfg = EngineConfig(page_size=16, prefix_unit=16, num_pages=32, max_model_len=512, max_prefill_chunk=40)
+    # 40-token budget rounded to units; 96 = floor(99/16)*16 is captured inside the last chunk ...
+    assert _chunk_ends(cfg) == ([32, 64, 100], [0, 0, 96])
+    # ... or, with capturing off, the prompt pauses there
+    assert _chunk_ends(EngineConfig(**{**cfg.__dict__, "capture_snapshots": False})) == (
+        [32, 64, 96, 100],
+        [0, 0, 0, 0],
+    )
     off = Scheduler(EngineConfig(**{**cfg.__dict__, "enable_prefix_cache": False}))
     seq2 = Sequence(list(range(100)))
     off.add(seq2)

@@ -94,6 +94,32 @@ def test_chunked_prefill_equals_one_pass():
     assert_close("chunked prefill", full, torch.cat(parts, 1), 1e-5)
 
 
+def test_capture_gives_the_state_after_p_tokens_per_row():
+    """capture_at [B]: each row's `captured` state equals a forward over its first p tokens alone, rows
+    without one hold their final state there, and the outputs and final states match the call without
+    a capture."""
+    fields = ("conv_q", "conv_k", "conv_v", "recurrent")
+    layer = build()
+    B, T = 3, 150
+    x, hist = inputs(B, T), inputs(B, 7, seed=2)
+    capture = [70, -1, 129]  # row 2: chunked kernel, then the recurrence for its last 21 tokens
+    with torch.no_grad():
+        start = KDAState()
+        layer(hist, state=start)
+        state, plain = dataclasses.replace(start, capture_at=capture), dataclasses.replace(start)
+        assert_close("output", layer(x, state=plain), layer(x, state=state), 1e-5)
+        for f in fields:
+            assert_close(f, getattr(plain, f), getattr(state, f), 1e-5)
+            assert torch.equal(getattr(state.captured, f)[1], getattr(state, f)[1])  # no capture: final
+        for b in (0, 2):
+            alone = KDAState(*(getattr(start, f)[b : b + 1] for f in fields))
+            layer(x[b : b + 1, : capture[b]], state=alone)
+            for f in fields:
+                assert_close(f"row {b} {f}", getattr(alone, f)[0], getattr(state.captured, f)[b], 1e-6)
+    with pytest.raises(ValueError, match="capture_at"):
+        layer(x, state=dataclasses.replace(start, capture_at=[T, -1, -1]))
+
+
 def test_varlen_equals_each_doc_alone():
     layer = build()
     B, T = 2, 40
