@@ -95,6 +95,33 @@ def _history_at(pre: torch.Tensor, hist: torch.Tensor | None, capture: list[int]
     return torch.stack([seq[r, :, p : p + W1] if p > 0 else final[r] for r, p in enumerate(capture)])
 
 
+def _split_recurrence(heads, initial: torch.Tensor | None, capture: list[int]):
+    """The delta rule over each row in two calls, split at the row's capture position p: heads (q, k, v,
+    g, beta) [B, T, ...], initial [B, H, K, V] or None -> o, the final state and the state after p tokens
+    ([B, H, K, V] fp32; a row without a capture (-1) gets its final state there). Rows that share p run
+    together."""
+    B, T = heads[0].shape[:2]
+    o, final, at_p = [None] * B, [None] * B, [None] * B
+    for p in sorted(set(capture)):
+        rows = [r for r in range(B) if capture[r] == p]
+        sel = torch.tensor(rows, device=heads[0].device)
+        part = [h.index_select(0, sel) for h in heads]
+        state = mid = None if initial is None else initial.index_select(0, sel)
+        outs = []
+        for lo, hi in ((0, p), (p, T)) if p > 0 else ((0, T),):
+            op = recurrent_kda if hi - lo <= RECURRENT_MAX_T else chunk_kda
+            out, state = op(
+                *(h[:, lo:hi] for h in part), initial_state=state, output_final_state=True,
+                use_qk_l2norm=True,
+            )  # fmt: skip
+            outs.append(out)
+            mid = state if hi == p else mid
+        o_rows = torch.cat(outs, 1)
+        for i, r in enumerate(rows):
+            o[r], final[r], at_p[r] = o_rows[i], state[i], (mid if p > 0 else state)[i]
+    return torch.stack(o), torch.stack(final), torch.stack(at_p)
+
+
 def _check_cu_seqlens(cu_seqlens: torch.Tensor, B: int, T: int) -> torch.Tensor:
     """cu_seqlens [N+1] over the flattened B*T tokens; every row boundary must be a document boundary."""
     if cu_seqlens.dim() != 1 or cu_seqlens.dtype not in (torch.int32, torch.int64):
@@ -215,41 +242,14 @@ class KimiDeltaAttention(nn.Module):
                 use_qk_l2norm=True, cu_seqlens=cu_seqlens,
             )  # fmt: skip
         else:
-            o, recurrent, at_p = self._captured_recurrence(heads, st.recurrent, capture)
+            o, recurrent, at_p = _split_recurrence(heads, st.recurrent, capture)
             hists, finals = (st.conv_q, st.conv_k, st.conv_v), (conv_q, conv_k, conv_v)
             convs = [_history_at(u, h, capture, f) for u, h, f in zip(pre, hists, finals, strict=True)]
-            state.captured = KDAState(*convs, recurrent=at_p)
+            state.captured, state.capture_at = KDAState(*convs, recurrent=at_p), None  # one call only
         if state is not None:
             state.conv_q, state.conv_k, state.conv_v, state.recurrent = conv_q, conv_k, conv_v, recurrent
         o = self.o_norm(o, self._output_gate(x).view(b, t, H, K))
         return self.o_proj(o.reshape(B, T, H * K))
-
-    def _captured_recurrence(self, heads, initial: torch.Tensor | None, capture: list[int]):
-        """The delta rule over each row in two calls, split at the row's capture position p: -> o, the
-        final state and the state after p tokens ([B, H, K, V] fp32; a row without a capture gets its
-        final state there). Rows that share p run together."""
-        B, T = heads[0].shape[:2]
-        o, final, at_p = [None] * B, [None] * B, [None] * B
-        for p in sorted(set(capture)):
-            rows = [r for r in range(B) if capture[r] == p]
-            sel = torch.tensor(rows, device=heads[0].device)
-            part = [h.index_select(0, sel) for h in heads]
-            state = None if initial is None else initial.index_select(0, sel)
-            outs = []
-            for lo, hi in ((0, p), (p, T)) if p > 0 else ((0, T),):
-                op = recurrent_kda if hi - lo <= RECURRENT_MAX_T else chunk_kda
-                out, state = op(
-                    *(h[:, lo:hi] for h in part), initial_state=state, output_final_state=True,
-                    use_qk_l2norm=True,
-                )  # fmt: skip
-                outs.append(out)
-                if hi == p:
-                    mid = state
-            o_rows = torch.cat(outs, 1)
-            for i, r in enumerate(rows):
-                o[r], final[r] = o_rows[i], state[i]
-                at_p[r] = mid[i] if p > 0 else state[i]
-        return torch.stack(o), torch.stack(final), torch.stack(at_p)
 
     def decode_step(self, x: torch.Tensor, state: KDAState) -> torch.Tensor:
         """One token per row: x [B, 1, D], a full `state` (updated in place) -> y [B, 1, D].

@@ -54,9 +54,10 @@ from k3.config import K3Config
 class KDAState:
     """Conv histories [B, C, W-1] (model dtype) and recurrent state [B, H, K, V] (fp32); None = empty.
 
-    `capture_at` (optional, set by the caller): per row, a position p with 0 < p < T of this call's T
-    tokens (or -1): the layer then also leaves the state after exactly the first p tokens of that row in
-    `captured` (a KDAState of [B, ...] tensors; rows without a capture hold their final state). The
+    `capture_at` (optional, set by the caller for the next call only): per row, a position p with
+    0 < p < T of that call's T tokens (or -1): the layer then also leaves the state after exactly the
+    first p tokens of that row in `captured` (a KDAState of [B, ...] tensors; rows without a capture hold
+    their final state) and clears `capture_at`. The
     engine uses it to snapshot an aligned position inside a prefill chunk instead of ending the chunk
     there (one forward instead of two)."""
 

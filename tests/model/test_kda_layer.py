@@ -108,6 +108,7 @@ def test_capture_gives_the_state_after_p_tokens_per_row():
         layer(hist, state=start)
         state, plain = dataclasses.replace(start, capture_at=capture), dataclasses.replace(start)
         assert_close("output", layer(x, state=plain), layer(x, state=state), 1e-5)
+        assert state.capture_at is None  # one call only
         for f in fields:
             assert_close(f, getattr(plain, f), getattr(state, f), 1e-5)
             assert torch.equal(getattr(state.captured, f)[1], getattr(state, f)[1])  # no capture: final
