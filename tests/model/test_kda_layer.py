@@ -102,7 +102,7 @@ def test_capture_gives_the_state_after_p_tokens_per_row():
     layer = build()
     B, T = 3, 150
     x, hist = inputs(B, T), inputs(B, 7, seed=2)
-    capture = [70, -1, 129]  # row 2: chunked kernel, then the recurrence for its last 21 tokens
+    capture = [70, -1, 140]  # row 2: chunked kernel, then the recurrence for its last 10 tokens
     with torch.no_grad():
         start = KDAState()
         layer(hist, state=start)
