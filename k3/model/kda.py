@@ -107,9 +107,12 @@ def _split_recurrence(heads, initial: torch.Tensor | None, capture: list[int]):
     o, final, at_p = [None] * B, [None] * B, [None] * B
     for p in sorted(set(capture)):
         rows = [r for r in range(B) if capture[r] == p]
-        sel = torch.tensor(rows, device=heads[0].device)
-        part = [h.index_select(0, sel) for h in heads]
-        state = mid = None if initial is None else initial.index_select(0, sel)
+        part, state = heads, initial
+        if len(rows) < B:  # (one row, the engine's usual case, needs no copies)
+            sel = torch.tensor(rows, device=heads[0].device)
+            part = [h.index_select(0, sel) for h in heads]
+            state = None if initial is None else initial.index_select(0, sel)
+        mid = state
         outs = []
         for lo, hi in ((0, p), (p, T)) if p > 0 else ((0, T),):
             op = recurrent_kda if hi - lo <= RECURRENT_MAX_T else chunk_kda
