@@ -26,28 +26,27 @@ static inline float exp_reduced(float x, float *r_out, float *two_n) {
     return p * r * r;
 }
 
-/* exp(x) for x in [-87, 88] (clamped outside). */
-static inline float exp_poly(float x) {
-    float r, two_n;
-    const float q = exp_reduced(x, &r, &two_n);
-    return (q + r + 1.0f) * two_n;
-}
-
-/* exp(x) - 1 for x in [-87, 88], without the cancellation of exp_poly(x) - 1 near 0: for |x| < ln2 / 2
- * (n = 0) it is r + r^2 P(r) exactly as the polynomial gives it; elsewhere |result| > 0.29. */
-static inline float expm1_poly(float x) {
-    float r, two_n;
-    const float q = exp_reduced(x, &r, &two_n);
-    return (q + r) * two_n + (two_n - 1.0f);
-}
-
-/* exp(x) and exp(x) - 1 from one reduction, each as accurate as on its own (1 + expm1 would lose exp's
- * relative accuracy where exp(x) is small). */
+/* exp(x) and exp(x) - 1 for x in [-87, 88] (clamped outside) from one reduction, each as accurate as on
+ * its own: exp(x) - 1 avoids the cancellation of exp(x) - 1 near 0 (for |x| < ln2 / 2, n = 0, it is
+ * r + r^2 P(r) exactly as the polynomial gives it; elsewhere |result| > 0.29), and 1 + expm1 would lose
+ * exp's relative accuracy where exp(x) is small. The wrappers below take one of the two; the compiler
+ * drops the other. */
 static inline float exp_expm1_poly(float x, float *em1) {
     float r, two_n;
     const float q = exp_reduced(x, &r, &two_n);
     *em1 = (q + r) * two_n + (two_n - 1.0f);
     return (q + r + 1.0f) * two_n;
+}
+
+static inline float exp_poly(float x) {
+    float unused;
+    return exp_expm1_poly(x, &unused);
+}
+
+static inline float expm1_poly(float x) {
+    float em1;
+    (void)exp_expm1_poly(x, &em1);
+    return em1;
 }
 
 #endif
