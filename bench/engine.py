@@ -4,7 +4,7 @@ Both models are random-init from one K3 config (HF gets `config.to_hf()` with hi
 SiTU is ours; it has no AttnRes and full-width experts, so its parameter count differs -- printed).
 Measured on the same inputs, best of 3 after a warm-up:
 * prefill tokens/s at batch 1 (k3: a max_tokens=1 request without prefix cache; HF: one forward with
-  use_cache=True);
+  use_cache=True and logits_to_keep=1, as its generate's prefill);
 * decode tokens/s at batch 1 (generation time minus the prefill time, over N new tokens);
 * batch-B throughput (B equal-length prompts, N new tokens each; generated tokens / wall time).
 Goals (issue 4): >= 5x prefill, >= 3x decode at batch 1, and batch-32 throughput vs HF generate.
@@ -86,8 +86,8 @@ class K3Runner:
 @torch.no_grad()
 def hf_run(model, prompts, new: int) -> None:
     x = torch.tensor(prompts, device=model.device)
-    if new <= 1:
-        model(x, use_cache=True)
+    if new <= 1:  # the prefill as HF's generate runs it: logits of the last position only
+        model(x, use_cache=True, logits_to_keep=1)
     else:
         model.generate(x, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
 

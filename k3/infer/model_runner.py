@@ -78,8 +78,9 @@ class ModelRunner:
     # ---- forward ------------------------------------------------------------------------------------
     @torch.no_grad()
     def execute(self, plan: StepPlan) -> list[torch.Tensor]:
-        """-> per plan item, fp32 logits [n, V] for its n fed tokens ([1, V], the last, unless the
-        sequence wants prompt logprobs)."""
+        """-> per plan item, fp32 logits [n, V] for its n fed tokens when the sequence wants prompt
+        logprobs, else [1, V] for the last one ([0, V] when no row of its forward reaches its end: a
+        prompt chunk before the last needs no logits)."""
         self.copy_pages(plan.copies)
         for slot, handle in plan.restores:
             self.restore(slot, handle)
@@ -98,7 +99,7 @@ class ModelRunner:
         return out
 
     def _forward(self, seqs: list[Sequence], n: int) -> torch.Tensor:
-        """B sequences with c_b cached tokens each, feeding n more -> logits [B, n or 1, V] fp32."""
+        """B sequences with c_b cached tokens each, feeding n more -> logits [B, n or 1 or 0, V] fp32."""
         starts = [s.num_computed for s in seqs]
         if n == 1 and not any(s.media for s in seqs):  # decode rows (and one-token prompt tails)
             ids = [_tokens(s, c, c + 1)[0] for s, c in zip(seqs, starts, strict=True)]
@@ -125,9 +126,13 @@ class ModelRunner:
             inp = {"inputs_embeds": torch.cat(rows)}
         else:
             inp = {"input_ids": ids}
-        h = self.model.model(**inp, state=state)  # K3ForCausalLM.forward, with the head on the rows we need
-        if not any(s.params.prompt_logprobs is not None for s in seqs):
-            h = h[:, -1:]
+        # Logits of every position for prompt logprobs, else of the last one where a row reaches its end
+        # (it samples), else none: the last layer then runs its mixer for the cache and state only.
+        if any(s.params.prompt_logprobs is not None for s in seqs):
+            keep = None
+        else:
+            keep = int(any(c + n >= len(s) for s, c in zip(seqs, starts, strict=True)))
+        h = self.model.model(**inp, state=state, keep=keep)  # K3ForCausalLM.forward on the kept rows
         logits = self.model.lm_head(self.model.model.norm(h)).float()
         self.store_kda(state, slots)
         for b, (s, p) in enumerate(zip(seqs, capture, strict=True)):

@@ -48,6 +48,12 @@ class BlockStream:
     def add(self, x: torch.Tensor) -> None:
         self.partial = x if self.partial is None else self.partial + x
 
+    def keep_last(self, n: int) -> None:
+        """Cut every block and the partial sum to their last n positions ([B, T, D] -> [B, n, D] views)."""
+        cut = lambda t: t[:, t.shape[1] - n :]
+        self.blocks = [cut(b) for b in self.blocks]
+        self.partial = None if self.partial is None else cut(self.partial)
+
     def close_block(self) -> None:
         """Block boundary: the partial sum becomes a completed block, and a new block starts empty."""
         self.blocks.append(self.partial)

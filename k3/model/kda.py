@@ -191,10 +191,16 @@ class KimiDeltaAttention(nn.Module):
         return self.g_proj(x) if hasattr(self, "g_proj") else self.g_b_proj(self.g_a_proj(x))
 
     def forward(
-        self, x: torch.Tensor, state: KDAState | None = None, cu_seqlens: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        state: KDAState | None = None,
+        cu_seqlens: torch.Tensor | None = None,
+        keep: int | None = None,
     ) -> torch.Tensor:
         """x [B, T, D]; state: read and updated in place (per row, or per document with cu_seqlens);
-        cu_seqlens [N+1] document offsets over the flattened B*T tokens -> y [B, T, D].
+        cu_seqlens [N+1] document offsets over the flattened B*T tokens; keep: output only the last `keep`
+        positions of each row (0 <= keep <= T, no cu_seqlens; the state still advances over all T; a
+        model's last layer) -> y [B, keep or T, D].
 
         A one-token step with a full state and no autograd (decode) takes `decode_step`, the same maths
         in fewer ops; everything else (and `fast_decode = False`) takes `forward_reference`."""
@@ -208,17 +214,25 @@ class KimiDeltaAttention(nn.Module):
             and state.conv_k is not None
             and state.conv_v is not None
             and not (torch.is_grad_enabled() and x.requires_grad)
+            and keep in (None, 1)
         ):
             return self.decode_step(x, state)
-        return self.forward_reference(x, state, cu_seqlens)
+        return self.forward_reference(x, state, cu_seqlens, keep)
 
     def forward_reference(
-        self, x: torch.Tensor, state: KDAState | None = None, cu_seqlens: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        state: KDAState | None = None,
+        cu_seqlens: torch.Tensor | None = None,
+        keep: int | None = None,
     ) -> torch.Tensor:
         """The general path (chunked kernel, or the recurrence for short rows with a state); same
         signature as `forward`."""
         B, T, D = x.shape
         H, K = self.num_heads, self.head_dim
+        Tq = T if keep is None else keep
+        if not 0 <= Tq <= T or (keep is not None and cu_seqlens is not None):
+            raise ValueError(f"keep must be in [0, T={T}] and without cu_seqlens, got {keep}")
         if cu_seqlens is not None:
             cu_seqlens = _check_cu_seqlens(cu_seqlens, B, T)
             x = x.reshape(1, B * T, D)
@@ -254,8 +268,10 @@ class KimiDeltaAttention(nn.Module):
             state.captured, state.capture_at = KDAState(*convs, recurrent=at_p), None  # one call only
         if state is not None:
             state.conv_q, state.conv_k, state.conv_v, state.recurrent = conv_q, conv_k, conv_v, recurrent
+        if Tq < T:  # only the kept positions go on (b, t == B, T: no cu_seqlens)
+            o, x, t = o[:, T - Tq :], x[:, T - Tq :], Tq
         o = self.o_norm(o, self._output_gate(x).view(b, t, H, K))
-        return self.o_proj(o.reshape(B, T, H * K))
+        return self.o_proj(o.reshape(B, Tq, H * K))
 
     def decode_step(self, x: torch.Tensor, state: KDAState) -> torch.Tensor:
         """One token per row: x [B, 1, D], a full `state` (updated in place) -> y [B, 1, D].

@@ -168,40 +168,57 @@ class MLAAttention(nn.Module):
         doc_ids: torch.Tensor | None = None,
         positions: torch.Tensor | None = None,
         absorb: bool | None = None,
+        keep: int | None = None,
     ) -> torch.Tensor:
         """x [B, T, D]; state: the latent cache (k3.model.state), appended to in place; doc_ids [B, T]:
         block-diagonal attention over packed documents (no state); positions [T] or [B, T]: RoPE positions
-        (ablation only); absorb: force the dense absorbed (True) or naive (False) form -> y [B, T, D]."""
+        (ablation only); absorb: force the dense absorbed (True) or naive (False) form; keep: output only
+        the last `keep` positions (0 <= keep <= T; the cache still gets all T latents) -> y [B, keep or T, D].
+
+        `keep` is for a model's last layer, whose other outputs nobody reads: only the kept positions
+        query (a prompt's last token over the whole cache costs one query instead of T)."""
         B, T, _ = x.shape
-        if T == 1 and absorb is None and positions is None and hasattr(state, "decode_attention"):
+        Tq = T if keep is None else keep
+        if not 0 <= Tq <= T:
+            raise ValueError(f"keep must be in [0, T={T}], got {keep}")
+        if T == 1 and Tq == 1 and absorb is None and positions is None and hasattr(state, "decode_attention"):
             return self._decode(x, state)
         if doc_ids is not None and (state is not None or doc_ids.shape != (B, T)):
             raise ValueError(f"doc_ids must be [B, T]=[{B}, {T}] and cannot be combined with a state")
         offset = 0 if state is None else state.length
         lengths = None if state is None else getattr(state, "lengths", None)
-        q_nope, q_pe = self._queries(x)
         c_kv, k_pe = self._latents(x)
+        xq = x[:, T - Tq :]
+        q_nope, q_pe = self._queries(xq)
         if self.use_rope:
             pos = self._positions(x, offset, doc_ids, positions, lengths)
-            q_pe = apply_rope(q_pe.transpose(1, 2), pos[:, None], self.rope_theta).transpose(1, 2)
+            q_pe = apply_rope(q_pe.transpose(1, 2), pos[:, None, T - Tq :], self.rope_theta).transpose(1, 2)
             k_pe = apply_rope(k_pe, pos, self.rope_theta)
         latent = torch.cat([c_kv, k_pe], dim=-1)  # [B, T, R+Dr]
         S = offset + T
-        if state is not None and self._streams(state, T, S, absorb):
+        q_lengths = None if lengths is None else lengths + (T - Tq)  # each row's first kept query
+        if Tq == 0:
+            if state is not None:
+                state.write(latent)
+            return x.new_empty(B, 0, self.o_proj.out_features)
+        if state is not None and self._streams(state, Tq, S, absorb):
             state.write(latent)
-            o = self._attend_stream(q_nope, q_pe, state, S, lengths)
+            o = self._attend_stream(q_nope, q_pe, state, S, q_lengths)
         else:
             if state is not None:
                 latent = state.append(latent)
             if lengths is not None and int(lengths.min()) != offset:  # rows differ: per-row causal mask
-                mask = ragged_causal_mask(lengths.to(x.device), T, S)
+                mask = ragged_causal_mask(q_lengths.to(x.device), Tq, S)
+            elif Tq == 1 and doc_ids is None:
+                mask = None  # the last position sees every key
             else:
-                mask = None if T == 1 and doc_ids is None else causal_mask(T, S, x.device, doc_ids, doc_ids)
-            if absorb is None:  # with a cache, whichever form needs fewer multiply-adds (T == 1: absorbed)
-                expand = expand_pays(T, self.kv_lora_rank, self.nope_dim, self.v_dim)
+                q_docs = None if doc_ids is None else doc_ids[:, T - Tq :]
+                mask = causal_mask(Tq, S, x.device, q_docs, doc_ids)
+            if absorb is None:  # with a cache, whichever form needs fewer multiply-adds (Tq == 1: absorbed)
+                expand = expand_pays(Tq, self.kv_lora_rank, self.nope_dim, self.v_dim)
                 absorb = state is not None and not expand
             o = self._attend(q_nope, q_pe, latent, mask, absorb)
-        return self._output(x, o)
+        return self._output(xq, o)
 
     def _decode(self, x: torch.Tensor, state) -> torch.Tensor:
         """One token per row, x [B, 1, D], over an engine state that stores the new latents and runs the

@@ -81,13 +81,15 @@ class DecoderLayer(nn.Module):
     def ffn(self, x: torch.Tensor) -> torch.Tensor:
         return self.block_sparse_moe(x) if hasattr(self, "block_sparse_moe") else self.mlp(x)
 
-    def mixer(self, x: torch.Tensor, state, ctx: Context) -> torch.Tensor:
+    def mixer(self, x: torch.Tensor, state, ctx: Context, keep: int | None = None) -> torch.Tensor:
         if self.is_kda:
-            return self.self_attn(x, state=state, cu_seqlens=ctx.cu_seqlens)
-        return self.self_attn(x, state=state, doc_ids=ctx.doc_ids, positions=ctx.positions)
+            return self.self_attn(x, state=state, cu_seqlens=ctx.cu_seqlens, keep=keep)
+        return self.self_attn(x, state=state, doc_ids=ctx.doc_ids, positions=ctx.positions, keep=keep)
 
-    def forward(self, stream: BlockStream, state, ctx: Context) -> None:
-        """Advance the block stream by this layer (in place)."""
+    def forward(self, stream: BlockStream, state, ctx: Context, keep: int | None = None) -> None:
+        """Advance the block stream by this layer (in place). `keep` (the last layer of an inference
+        forward): the mixer still reads all T positions and updates `state` over them, but only the last
+        `keep` positions go on: the stream is cut to them and the FFN runs on them alone (none for 0)."""
         if self.use_attn_res:
             h = (
                 stream.partial
@@ -100,7 +102,12 @@ class DecoderLayer(nn.Module):
                 stream.close_block()
         else:
             h = stream.partial
-        stream.add(self.mixer(self.input_layernorm(h), state, ctx))
+        y = self.mixer(self.input_layernorm(h), state, ctx, keep)
+        if keep is not None:
+            stream.keep_last(keep)
+            if keep == 0:
+                return
+        stream.add(y)
         h = (
             mix(stream.blocks, stream.partial, self.mlp_res_proj, self.mlp_res_norm)
             if self.use_attn_res
@@ -130,14 +137,23 @@ class K3Model(nn.Module):
         inputs_embeds: torch.Tensor | None = None,
         state=None,
         ctx: Context | None = None,
+        keep: int | None = None,
     ) -> torch.Tensor:
+        """input_ids [B, T] (or inputs_embeds [B, T, D]) -> h_out [B, T, D]; with `keep`, h_out of the last
+        `keep` positions only, [B, keep, D] (inference: the last layer's mixer output and FFN, and the
+        output AttnRes, run on those positions only; every layer's state still covers all T)."""
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids or inputs_embeds")
         ctx = ctx or Context()
         x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        if keep is not None and not 0 <= keep <= x.shape[1]:
+            raise ValueError(f"keep must be in [0, T={x.shape[1]}], got {keep}")
         stream = BlockStream(partial=x)
+        last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
-            layer(stream, None if state is None else state[i], ctx)
+            layer(stream, None if state is None else state[i], ctx, keep if i == last else None)
+        if keep == 0:
+            return x.new_empty(x.shape[0], 0, x.shape[2])
         if not self.config.use_attn_res:
             return stream.partial
         return mix(stream.blocks, stream.partial, self.output_attn_res_proj, self.output_attn_res_norm)
@@ -164,11 +180,15 @@ class K3ForCausalLM(nn.Module):
         cu_seqlens: torch.Tensor | None = None,
         doc_ids: torch.Tensor | None = None,
         positions: torch.Tensor | None = None,
+        keep: int | None = None,
     ) -> CausalLMOutput:
-        """input_ids [B, T] (or inputs_embeds [B, T, D]) -> logits [B, T, V] (+ loss given labels [B, T])."""
+        """input_ids [B, T] (or inputs_embeds [B, T, D]) -> logits [B, T, V] (+ loss given labels [B, T]);
+        `keep`: logits of the last `keep` positions only, [B, keep, V] (inference; see K3Model.forward)."""
         ref = input_ids if input_ids is not None else inputs_embeds
+        if keep is not None and (labels is not None or cu_seqlens is not None or doc_ids is not None):
+            raise ValueError("keep is for inference on whole rows: no labels, cu_seqlens or doc_ids")
         ctx = make_context(ref.shape[0], ref.shape[1], cu_seqlens, doc_ids, positions)
-        h = self.model(input_ids, inputs_embeds=inputs_embeds, state=state, ctx=ctx)
+        h = self.model(input_ids, inputs_embeds=inputs_embeds, state=state, ctx=ctx, keep=keep)
         logits = self.lm_head(self.model.norm(h))
         loss = None
         if labels is not None:

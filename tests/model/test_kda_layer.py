@@ -121,6 +121,31 @@ def test_capture_gives_the_state_after_p_tokens_per_row():
         layer(x, state=dataclasses.replace(start, capture_at=[T, -1, -1]))
 
 
+@pytest.mark.parametrize("keep", [0, 1, 20])
+def test_keep_outputs_the_last_positions_and_the_same_state(keep):
+    """keep (a model's last layer): y [B, keep, D] == the full call's last positions, and the state
+    after it is bit-identical to the full call's (the recurrence still runs over every token)."""
+    fields = ("conv_q", "conv_k", "conv_v", "recurrent")
+    layer = build()
+    x, hist = inputs(2, 90), inputs(2, 5, seed=2)
+    with torch.no_grad():
+        start = KDAState()
+        layer(hist, state=start)
+        full_state, kept_state = dataclasses.replace(start), dataclasses.replace(start)
+        full = layer(x, state=full_state)
+        kept = layer(x, state=kept_state, keep=keep)
+        assert kept.shape == (2, keep, x.shape[2])
+        for f in fields:
+            assert torch.equal(getattr(full_state, f), getattr(kept_state, f)), f
+        if keep:
+            assert_close("kept outputs", full[:, 90 - keep :], kept, 1e-6)
+            assert_close("no state", layer(x)[:, 90 - keep :], layer(x, keep=keep), 1e-6)
+    with pytest.raises(ValueError, match="keep"):
+        layer(x, keep=91)
+    with pytest.raises(ValueError, match="keep"):
+        layer(x.view(1, 180, -1), cu_seqlens=torch.tensor([0, 90, 180]), keep=1)
+
+
 def test_varlen_equals_each_doc_alone():
     layer = build()
     B, T = 2, 40

@@ -112,3 +112,36 @@ def test_ragged_paged_batch_equals_rows_alone(monkeypatch, config, stream, T):
         together = layer(x, state=state)
     assert state.lengths.tolist() == [c + T for c in lengths] and state.length == 11 + T
     assert _rel_err(torch.cat(alone), together) < 1e-5
+
+
+@pytest.mark.parametrize("config", [CFG, ROPE], ids=["nope", "rope"])
+@pytest.mark.parametrize("stream", [False, True], ids=["dense", "streaming"])
+@pytest.mark.parametrize("keep", [0, 1, 2])
+def test_keep_queries_only_the_last_positions(monkeypatch, config, stream, keep):
+    """keep on a ragged paged batch: y [B, keep, D] == the full call's last positions, and the pages hold
+    the same latents (every token is still written)."""
+    if stream:
+        monkeypatch.setattr(mla_mod, "DENSE_MAX_SCORES", 0)
+        monkeypatch.setattr(mla_mod, "MIN_BLOCK", 3)
+    layer, ps, lengths, T = build(config), 4, [5, 0, 11], 3
+    W = config.kv_lora_rank + config.qk_rope_head_dim
+    tables = [[9, 2], [5], [0, 14, 3, 11]]
+    base = torch.randn(16 * ps, W, generator=torch.Generator().manual_seed(3))  # the cached latents
+    x = inputs(3, T, seed=20)
+    runs = {}
+    with torch.no_grad():
+        for k in (None, keep):
+            pool = base.clone()
+            state = PagedMLAState(pool, PagedBatch.from_tables(tables, lengths, T, ps))
+            runs[k] = layer(x, state=state, keep=k), pool
+        no_state = layer(x, keep=keep)  # no cache: the kept queries over the call's own keys
+        assert no_state.shape == (3, keep, config.hidden_size)
+        if keep:
+            assert _rel_err(layer(x)[:, T - keep :], no_state) < 1e-5
+        with pytest.raises(ValueError, match="keep"):
+            layer(x, keep=T + 1)
+    (full, full_pool), (kept, kept_pool) = runs[None], runs[keep]
+    assert kept.shape == (3, keep, config.hidden_size)
+    assert torch.equal(full_pool, kept_pool)
+    if keep:
+        assert _rel_err(full[:, T - keep :], kept) < 1e-5

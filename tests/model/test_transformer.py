@@ -1,5 +1,7 @@
 """Whole-model tests on k3-nano: SPEC §3.3 wiring, prefill+decode == full forward, causality, loss."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -92,6 +94,43 @@ def test_chunked_prefill_equals_one_pass():
     state = ModelState.empty(model.config)
     parts = [model(ids[:, a:b], state=state).logits for a, b in [(0, 7), (7, 30), (30, 40)]]
     assert rel_err(torch.cat(parts, 1), full) < 1e-5
+
+
+@pytest.mark.parametrize("last", ["mla", "kda", "no-attn-res"])
+def test_keep_gives_the_last_positions_and_cuts_the_last_ffn(last):
+    """keep: logits [B, keep, V] == the full forward's last positions; the last layer's FFN sees only the
+    kept positions (none for 0) while every layer's state still covers all tokens (a later chunk is
+    exact)."""
+    if last == "kda":  # k3-nano's last layer is MLA; move the MLA layer to the middle
+        la = dataclasses.replace(
+            preset("k3-nano").linear_attn_config, full_attn_layers=(2,), kda_layers=(1, 3, 4)
+        )
+        model = build(linear_attn_config=la)
+    else:
+        model = build(**({"use_attn_res": False} if last == "no-attn-res" else {}))
+    assert model.model.layers[-1].is_kda == (last == "kda")
+    ffn_rows = []
+    model.model.layers[-1].ffn = (lambda f: lambda x: ffn_rows.append(x.shape[1]) or f(x))(
+        model.model.layers[-1].ffn
+    )
+    ids = torch.randint(0, model.config.vocab_size, (2, 25))
+    with torch.no_grad():
+        full = model(ids).logits
+        for keep in (1, 4):
+            ffn_rows.clear()
+            kept = model(ids, keep=keep).logits
+            assert kept.shape == (2, keep, model.config.vocab_size) and ffn_rows == [keep]
+            assert rel_err(kept, full[:, 25 - keep :]) < 1e-6
+        state = ModelState.empty(model.config)
+        ffn_rows.clear()
+        assert model(ids[:, :20], state=state, keep=0).logits.shape == (2, 0, model.config.vocab_size)
+        assert ffn_rows == []
+        step = model(ids[:, 20:], state=state, keep=1).logits
+    assert rel_err(step, full[:, -1:]) < 1e-5
+    with pytest.raises(ValueError, match="keep"):
+        model(ids, labels=ids, keep=1)
+    with pytest.raises(ValueError, match="keep"):
+        model(ids, keep=26)
 
 
 def test_causality():
