@@ -11,7 +11,8 @@ tokens of one optimizer step (all micro-batches).
   every expert on every token and masks (the reference); the grouped one sorts the T·k token-slots by
   expert and runs each expert once on its contiguous slice. Same signature; both accumulate in fp32.
   `experts_active` (one GLU call for all slots; decode skips the sort) is the inference fast path and
-  `experts_auto` (the modules' default) picks it or grouped; `experts_padded` runs all experts as batched
+  `experts_auto` (the modules' default) picks it or grouped; `experts_native` is the same loop as one C
+  call (fp32 CPU, no autograd: the CPU engine's path); `experts_padded` runs all experts as batched
   matmuls over a capacity-padded layout (for accelerators); `experts_gathered` copies the chosen
   experts' weights and needs no host read (what a compiled decode step traces).
 * `quantile_balance_bias` — Quantile Balancing (SPEC §4.1), the exact single-process form; see docs/moe.md
@@ -20,11 +21,13 @@ tokens of one optimizer step (all micro-batches).
 """
 
 import math
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 
-from k3.ops.glu import GLUFn, fused_activations_enabled
+from k3.ops import native
+from k3.ops.glu import GLUFn, fused_activations_enabled, situ_glu, swiglu
 
 RENORM_EPS = 1e-20  # as in the release: p_i = s_i / (Σ_topk s + 1e-20)
 
@@ -189,6 +192,64 @@ def experts_active(z, weights, indices, w1, w2, w3, act: GLUFn) -> torch.Tensor:
     return out.to(z.dtype)
 
 
+# k3_experts_situ(sgemm, z, token_of_slot, weight, counts, E, Dl, I, w1, w3, w2, scratch, out, act, b1, b2)
+_EXPERTS_ARGS = [native.PTR] * 5 + [native.I64] * 3 + [native.PTR] * 5 + [native.I64, native.F32, native.F32]
+
+
+def _native_act(act: GLUFn) -> tuple[int, float, float] | None:
+    """The native kernel's code for `act`: (0, β₁, β₂) for SiTU-GLU, (1, 0, 0) for SwiGLU, else None."""
+    if isinstance(act, partial) and act.func is situ_glu and not act.args:
+        return 0, float(act.keywords.get("beta1", 4.0)), float(act.keywords.get("beta2", 25.0))
+    if act is situ_glu:
+        return 0, 4.0, 25.0
+    return (1, 0.0, 0.0) if act is swiglu else None
+
+
+def _experts_kernel(z, weights, w1, w2, w3, act: GLUFn):
+    """(kernel, sgemm address, act code) when `experts_native` can run these inputs, else None: fp32 CPU,
+    contiguous stacked weights, no autograd, a built kernel, torch's BLAS found, a known activation."""
+    code = _native_act(act)
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (z, weights, w1, w2, w3))
+    if code is None or needs_grad or not native.takes(z, w1, w2, w3):
+        return None
+    if not all(w.is_contiguous() for w in (w1, w2, w3)):
+        return None
+    sgemm = native.blas_sgemm()
+    fn = native.function("moe_experts", "k3_experts_situ", _EXPERTS_ARGS) if sgemm else None
+    return None if fn is None else (fn, sgemm, code)
+
+
+def experts_native(z, weights, indices, w1, w2, w3, act: GLUFn) -> torch.Tensor | None:
+    """Inference fast path, same signature and result as `experts_naive` (to fp32 rounding), or None when
+    the inputs do not fit the kernel (see `_experts_kernel`; the caller then takes a torch path).
+
+    The slots are sorted by expert as in `experts_grouped`; then one C call (`k3/ops/csrc/moe_experts.c`)
+    runs every active expert from gather to weighted scatter-add: its rows gathered, gate and up products,
+    the GLU in place, the down product and the fp32 accumulation, with the products in torch's own BLAS
+    `sgemm_`. Saves the per-expert torch dispatch and the [T·k, I] round trips through memory."""
+    _check_experts(z, weights, indices, w1, w2, w3)
+    found = _experts_kernel(z, weights, w1, w2, w3, act)
+    if found is None:
+        return None
+    fn, sgemm, (code, beta1, beta2) = found
+    T, k = indices.shape
+    E, I, Dl = w1.shape
+    flat = indices.reshape(-1)
+    counts = torch.bincount(flat, minlength=E)  # raises for a negative index
+    if counts.numel() != E:  # the kernel would read past the weight stacks
+        raise ValueError(f"indices must lie in [0, {E}), got a maximum of {int(flat.max())}")
+    order = torch.argsort(flat, stable=True)
+    token_of_slot = (order // k).contiguous()
+    slot_weight = weights.reshape(-1)[order].float().contiguous()
+    zc = z.contiguous()
+    scratch = z.new_empty(int(counts.max()) * (Dl + 2 * I))
+    out = torch.zeros(T, Dl, dtype=torch.float32)
+    ptrs = [t.data_ptr() for t in (zc, token_of_slot, slot_weight, counts)]
+    weights_ptrs = [t.data_ptr() for t in (w1, w3, w2)]
+    fn(sgemm, *ptrs, E, Dl, I, *weights_ptrs, scratch.data_ptr(), out.data_ptr(), code, beta1, beta2)
+    return out
+
+
 def experts_gathered(z, weights, indices, w1, w2, w3, act: GLUFn) -> torch.Tensor:
     """Fast path without host reads, same signature and result as `experts_naive`: copies the chosen
     experts' weights ([T·k, I, Dl] each of w1, w3, w2) and runs three batched matmuls, one row per
@@ -240,12 +301,17 @@ def experts_padded(z, weights, indices, w1, w2, w3, act: GLUFn) -> torch.Tensor:
 def experts_auto(z, weights, indices, w1, w2, w3, act: GLUFn) -> torch.Tensor:
     """The fastest exact path by size and mode (same signature and result as `experts_naive`): with
     autograd, or when the slots' [T·k, I] activations outgrow ACTIVE_MAX_ELEMENTS, `experts_grouped`
-    (its per-expert GLU stays in cache); otherwise `experts_active` (decode, short prefill chunks), or
-    `experts_gathered` while torch.compile traces a few slots (no host reads: the compiled decode step)."""
+    (its per-expert GLU stays in cache); without autograd `experts_native` where it runs (fp32 CPU,
+    the kernel built), else `experts_active` (decode, short prefill chunks), or `experts_gathered` while
+    torch.compile traces a few slots (no host reads: the compiled decode step)."""
     _check_experts(z, weights, indices, w1, w2, w3)
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (z, weights, w1, w2, w3))
     if torch.compiler.is_compiling() and not needs_grad and indices.numel() <= GATHER_MAX_SLOTS:
         return experts_gathered(z, weights, indices, w1, w2, w3, act)
+    if not needs_grad and not torch.compiler.is_compiling():
+        out = experts_native(z, weights, indices, w1, w2, w3, act)
+        if out is not None:
+            return out.to(z.dtype)
     limit = ACTIVE_MAX_ELEMENTS * (4 if fused_activations_enabled() else 1)  # one fused GLU call pays more
     if needs_grad or indices.numel() * w1.shape[1] > limit:
         return experts_grouped(z, weights, indices, w1, w2, w3, act)

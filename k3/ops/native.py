@@ -72,6 +72,26 @@ def function(name: str, symbol: str, argtypes: list):
     return fn
 
 
+_SGEMM: list = []  # [address of torch's BLAS sgemm_ or None], looked up once
+
+
+def blas_sgemm() -> int | None:
+    """The address of the Fortran-ABI `sgemm_` that torch links (MKL in the x86 wheels), for kernels that
+    run their matrix products through it (the same kernels torch.mm runs); None where torch's library
+    does not export it (the caller takes its torch path)."""
+    if not _SGEMM:
+        address = None
+        lib_dir = Path(torch.__file__).parent / "lib"
+        for path in sorted(lib_dir.glob("libtorch_cpu.*")):
+            try:
+                address = ctypes.cast(ctypes.CDLL(str(path)).sgemm_, ctypes.c_void_p).value
+                break
+            except (OSError, AttributeError):
+                continue
+        _SGEMM.append(address)
+    return _SGEMM[0]
+
+
 def takes(*tensors) -> bool:
     """Whether every tensor is fp32 on the CPU: the only kind the kernels read or write."""
     return all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors)

@@ -1,17 +1,18 @@
-"""MoE inference fast paths (experts_active, experts_padded, experts_gathered, experts_auto) against
-experts_naive."""
+"""MoE inference fast paths (experts_active, experts_native, experts_padded, experts_gathered,
+experts_auto) against experts_naive."""
 
 import pytest
 import torch
 
-from k3.ops import moe
-from k3.ops.glu import situ_glu, swiglu
+from k3.ops import moe, native
+from k3.ops.glu import glu_fn, situ_glu, swiglu
 from k3.ops.moe import (
     experts_active,
     experts_auto,
     experts_gathered,
     experts_grouped,
     experts_naive,
+    experts_native,
     experts_padded,
 )
 
@@ -60,6 +61,8 @@ def test_fast_experts_bf16_and_repeated_experts():
 
 
 def test_auto_dispatch(monkeypatch):
+    """Without the native kernel (its own test below): grouped with autograd or many slots, else active."""
+    monkeypatch.setattr(moe, "experts_native", lambda *a: None)
     calls = []
     for name in ("experts_grouped", "experts_active"):
         real = getattr(moe, name)
@@ -120,4 +123,51 @@ def test_auto_takes_the_gathered_path_while_compiling(monkeypatch):
     monkeypatch.setattr(moe, "experts_active", lambda *a: calls.append("active"))
     got = experts_auto(z, weights, idx, *w, situ_glu)
     assert not calls
+    torch.testing.assert_close(got, experts_naive(z, weights, idx, *w, situ_glu), rtol=1e-5, atol=1e-5)
+
+
+def _native_or_skip():
+    if native.library("moe_experts") is None or native.blas_sgemm() is None:
+        pytest.skip("no C compiler or no BLAS sgemm_ exported by torch: experts_native cannot run")
+
+
+@pytest.mark.parametrize("act", ["situ", "situ-b8", "silu"])
+@pytest.mark.parametrize(("T", "k", "skew"), [(1, 2, False), (5, 3, False), (64, 2, False), (33, 4, True)])
+def test_native_experts_match_naive(act, T, k, skew):
+    """One C call per layer (gather, SGEMMs, GLU, weighted scatter-add) == the reference, for SiTU with
+    the release betas and others, SwiGLU, decode, uneven loads and experts without tokens."""
+    _native_or_skip()
+    fn = {"situ": situ_glu, "situ-b8": glu_fn("situ", 8.0, 10.0), "silu": swiglu}[act]
+    z, weights, idx, w = _case(T, k, E=8, I=24, Dl=20, skew=skew)
+    with torch.no_grad():
+        got = experts_native(z, weights, idx, *w, fn)
+        ref = experts_naive(z.double(), weights.double(), idx, *[t.double() for t in w], fn)
+    assert got is not None and got.dtype == torch.float32 and got.shape == z.shape
+    torch.testing.assert_close(got, ref.float(), rtol=1e-5, atol=1e-5)
+
+
+def test_native_experts_decline_what_they_cannot_run():
+    """None (the caller's torch path) for autograd, other dtypes, strided weights, unknown activations."""
+    _native_or_skip()
+    z, weights, idx, w = _case(6, 2)
+    assert experts_native(z, weights, idx, *w, lambda g, u: g * u) is None
+    assert experts_native(z.double(), weights, idx, *[t.double() for t in w], situ_glu) is None
+    assert experts_native(z, weights, idx, w[0].mT.contiguous().mT, w[1], w[2], situ_glu) is None
+    assert experts_native(z, weights, idx, w[0].clone().requires_grad_(), w[1], w[2], situ_glu) is None
+    assert experts_native(z, weights.requires_grad_(), idx, *w, situ_glu) is None
+    with pytest.raises(ValueError, match="w1"):
+        experts_native(z, weights, idx, w[1], w[1], w[2], situ_glu)
+    with pytest.raises(ValueError, match=r"indices must lie in \[0, 8\)"):
+        experts_native(z, weights.detach(), idx + 7, *w, situ_glu)
+
+
+def test_auto_takes_the_native_path_without_autograd(monkeypatch):
+    _native_or_skip()
+    calls = []
+    real = moe.experts_native
+    monkeypatch.setattr(moe, "experts_native", lambda *a: calls.append("native") or real(*a))
+    z, weights, idx, w = _case(64, 2)
+    with torch.no_grad():
+        got = experts_auto(z, weights, idx, *w, situ_glu)
+    assert calls == ["native"]
     torch.testing.assert_close(got, experts_naive(z, weights, idx, *w, situ_glu), rtol=1e-5, atol=1e-5)
