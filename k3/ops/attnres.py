@@ -7,11 +7,14 @@ sum), a pseudo-query w [D] and a key-norm weight gamma [D], computed in fp32:
     alpha = softmax_i(s)
     out = sum_i alpha_i * v_i        (the mixture is over the RAW sources; cast back to the input dtype)
 
-`attn_res_naive` is the plain per-source reference; `attn_res` the fast path (stacked for small sources,
-streamed source by source for large ones). Same signature; tests compare them forward and backward.
+`attn_res_naive` is the plain per-source reference; `attn_res` the fast path (without autograd on fp32
+CPU tensors one native pass, `attn_res_native`; else stacked for small sources, streamed source by source
+for large ones). Same signature; tests compare them forward and backward.
 """
 
 import torch
+
+from k3.ops import native
 
 ATTN_RES_EPS = 1e-5
 
@@ -47,6 +50,9 @@ def attn_res(
     if len(sources) == 1:
         return sources[0]
     qk = (norm_weight.float() * query.float()).reshape(-1)
+    out = attn_res_native(sources, qk, eps)
+    if out is not None:
+        return out
     if sources[0].numel() < STREAM_MIN_ELEMENTS:
         v = torch.stack(sources, 0).float()  # [n, ..., D]
         scores = (v @ qk) * torch.rsqrt(v.pow(2).mean(-1) + eps)  # [n, ...]
@@ -61,3 +67,30 @@ def attn_res(
     for a, v in zip(alpha[1:], vs[1:], strict=True):
         out = out + v * a if out.requires_grad else out.addcmul_(v, a)
     return out.to(sources[0].dtype)
+
+
+_NATIVE_ARGS = [native.PTR, native.I64, native.I64, native.I64, native.PTR, native.F32, native.PTR]
+NATIVE_MAX_SOURCES = 64  # the kernel's score buffer (MAX_SOURCES in attn_res.c); K3 mixes at most 10
+
+
+def attn_res_native(sources: list[torch.Tensor], qk: torch.Tensor, eps: float) -> torch.Tensor | None:
+    """The mixture in one C pass (`k3/ops/csrc/attn_res.c`): each token's n source rows are scored,
+    softmaxed and mixed while they sit in L1 (the torch paths read every source twice from memory).
+    sources: n contiguous fp32 CPU tensors [..., D] of one shape, no autograd; qk = norm_weight * query
+    [D] fp32 -> [..., D] fp32; None when the inputs do not fit or the kernel is not built."""
+    s0 = sources[0]
+    fits = (
+        len(sources) <= NATIVE_MAX_SOURCES
+        and native.takes(qk, *sources)
+        and all(v.shape == s0.shape and v.is_contiguous() for v in sources)
+        and not (torch.is_grad_enabled() and any(v.requires_grad for v in (qk, *sources)))
+        and qk.is_contiguous()
+    )
+    fn = native.function("attn_res", "k3_attn_res", _NATIVE_ARGS) if fits else None
+    if fn is None:
+        return None
+    out = torch.empty_like(s0)
+    ptrs = torch.tensor([v.data_ptr() for v in sources], dtype=torch.int64)
+    D = s0.shape[-1]
+    fn(ptrs.data_ptr(), len(sources), s0.numel() // max(D, 1), D, qk.data_ptr(), eps, out.data_ptr())
+    return out

@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from k3.ops.attnres import attn_res, attn_res_naive
+from k3.ops import attnres, native
+from k3.ops.attnres import attn_res, attn_res_naive, attn_res_native
 
 
 def _inputs(n, shape=(2, 5, 16), dtype=torch.float64, seed=0):
@@ -58,3 +59,26 @@ def test_streamed_no_grad_equals_reference():
     srcs, q, w = _inputs(3, (1, 1100, 64), dtype=torch.float32)
     with torch.no_grad():
         torch.testing.assert_close(attn_res(srcs, q, w), attn_res_naive(srcs, q, w), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(("n", "shape"), [(2, (1, 7, 13)), (5, (2, 300, 256)), (9, (3, 64))])
+def test_native_matches_reference_without_autograd(n, shape):
+    """The one-pass C kernel (fp32, no autograd: the inference path) == the per-source reference; D not a
+    multiple of 8, large-magnitude rows (the RMS key norm matters), uneven scores."""
+    if native.library("attn_res") is None:
+        pytest.skip("no C compiler: the native kernel cannot be built")
+    g = torch.Generator().manual_seed(1)
+    srcs = [torch.randn(*shape, generator=g) * (10.0 ** (i % 3)) for i in range(n)]
+    q, w = torch.randn(shape[-1], generator=g), torch.randn(shape[-1], generator=g)
+    with torch.no_grad():
+        qk = (w * q).reshape(-1)
+        got = attn_res_native(srcs, qk, attnres.ATTN_RES_EPS)
+        assert got is not None and got.shape == srcs[0].shape
+        ref = attn_res_naive([s.double() for s in srcs], q.double(), w.double())
+        torch.testing.assert_close(got, ref.float(), rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+        torch.testing.assert_close(attn_res(srcs, q, w), got)  # the fast path takes it
+        # declined (None): autograd, float64, strided sources, too many sources
+        assert attn_res_native([s.double() for s in srcs], qk.double(), 1e-5) is None
+        assert attn_res_native([srcs[0].mT.contiguous().mT, *srcs[1:]], qk, 1e-5) is None
+        assert attn_res_native(srcs * (attnres.NATIVE_MAX_SOURCES // n + 1), qk, 1e-5) is None
+    assert attn_res_native([srcs[0].requires_grad_(), *srcs[1:]], qk, 1e-5) is None

@@ -1,0 +1,77 @@
+/* Attention Residuals mixture without autograd (k3/ops/attnres.py, `attn_res`): one pass per token row
+ * over its n source rows, which stay in L1 between the scoring and the mixing.
+ *
+ * For row t, sources v_i = src[i] + t * D (fp32, contiguous [rows, D]), qk = gamma * w [D]:
+ *   s_i   = (v_i . qk) / sqrt(mean(v_i^2) + eps)
+ *   a     = softmax_i(s)
+ *   out_t = sum_i a_i v_i
+ * The dot products and squares accumulate in fp32 in 8 lanes, then across them.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define MAX_SOURCES 64 /* k3.ops.attnres.NATIVE_MAX_SOURCES */
+
+/* 8 fp32 lanes (GCC / Clang vector extension: AVX on x86-64, two NEON registers on arm64). Written out
+ * because gcc scalarises the 8-partial-sums form of this reduction once it is inlined into the row loop. */
+typedef float lanes8 __attribute__((vector_size(32)));
+
+static inline lanes8 load8(const float *p) {
+    lanes8 v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline float sum8(lanes8 v) {
+    float s = 0.0f;
+    for (int j = 0; j < 8; j++) s += v[j];
+    return s;
+}
+
+static inline void dot_and_square(const float *restrict v, const float *restrict qk, int64_t D, float *dot,
+                                  float *sq) {
+    lanes8 d8 = {0}, s8 = {0};
+    int64_t c = 0;
+    for (; c + 8 <= D; c += 8) {
+        const lanes8 x = load8(v + c);
+        d8 += x * load8(qk + c);
+        s8 += x * x;
+    }
+    float d = sum8(d8), s = sum8(s8);
+    for (; c < D; c++) {
+        d += v[c] * qk[c];
+        s += v[c] * v[c];
+    }
+    *dot = d;
+    *sq = s;
+}
+
+/* n in [1, MAX_SOURCES] (the caller checks). */
+void k3_attn_res(const int64_t *sources, int64_t n, int64_t rows, int64_t D, const float *qk, float eps,
+                 float *out) {
+    for (int64_t t = 0; t < rows; t++) {
+        float score[MAX_SOURCES], top = -INFINITY;
+        for (int64_t i = 0; i < n; i++) {
+            const float *v = (const float *)(intptr_t)sources[i] + t * D;
+            float dot, sq;
+            dot_and_square(v, qk, D, &dot, &sq);
+            score[i] = dot / sqrtf(sq / (float)D + eps);
+            top = score[i] > top ? score[i] : top;
+        }
+        float total = 0.0f;
+        for (int64_t i = 0; i < n; i++) {
+            score[i] = expf(score[i] - top);
+            total += score[i];
+        }
+        float *restrict o = out + t * D;
+        const float a0 = score[0] / total;
+        const float *restrict v0 = (const float *)(intptr_t)sources[0] + t * D;
+        for (int64_t c = 0; c < D; c++) o[c] = a0 * v0[c];
+        for (int64_t i = 1; i < n; i++) {
+            const float a = score[i] / total;
+            const float *restrict v = (const float *)(intptr_t)sources[i] + t * D;
+            for (int64_t c = 0; c < D; c++) o[c] += a * v[c];
+        }
+    }
+}
