@@ -77,10 +77,12 @@ def attn_res_native(sources: list[torch.Tensor], qk: torch.Tensor, eps: float) -
     """The mixture in one C pass (`k3/ops/csrc/attn_res.c`): each token's n source rows are scored,
     softmaxed and mixed while they sit in L1 (the torch paths read every source twice from memory).
     sources: n contiguous fp32 CPU tensors [..., D] of one shape, no autograd; qk = norm_weight * query
-    [D] fp32 -> [..., D] fp32; None when the inputs do not fit or the kernel is not built."""
+    [D] fp32 -> [..., D] fp32; None when the inputs do not fit, torch.compile is tracing, or the kernel is
+    not built."""
     s0 = sources[0]
     fits = (
-        len(sources) <= NATIVE_MAX_SOURCES
+        not torch.compiler.is_compiling()  # a traced graph keeps the torch ops (no opaque C call)
+        and len(sources) <= NATIVE_MAX_SOURCES
         and native.takes(qk, *sources)
         and all(v.shape == s0.shape and v.is_contiguous() for v in sources)
         and not (torch.is_grad_enabled() and any(v.requires_grad for v in (qk, *sources)))
