@@ -248,7 +248,13 @@ def mla_attention_over_blocks(
     * expand=True: each block is up-projected to per-head keys [B*H, s_i, Dn+Dr] and values
       [B*H, s_i, Dv] (the naive form, block by block), scores [B*H, T, s_i].
     Either way the loop is over rows x keys in 3-D batches: `batch` x `rows` queries of `width` values.
+    The expanded form without doc ids runs each block as one native call where it can
+    (`_over_blocks_native`: fp32 CPU, no autograd; the same sums, tiled by queries to stay in L2).
     """
+    if expand and k_doc_blocks is None:
+        kernel = _native_expanded_block(q_nope, q_pe, w_uk, w_uv)
+        if kernel is not None:
+            return _over_blocks_native(kernel, q_nope, q_pe, blocks, w_uk, w_uv, scale, q_pos)
     B, T, H, _ = q_nope.shape
     R = w_uk.shape[-1]
     if expand:
@@ -326,6 +332,51 @@ def _native_softmax_step(q: torch.Tensor):
         return corr
 
     return step
+
+
+# k3_mla_block_expanded(sgemm, q, lat, w_kvb, q_pos, B, H, T, s, s0, R, Dn, Dr, Dv, tile, m, l, acc, scratch)
+_BLOCK_ARGS = [native.PTR] * 5 + [native.I64] * 10 + [native.PTR] * 4
+NATIVE_QUERY_TILE = 128  # queries per tile: a [128, 512] score tile, the keys and values stay in L2
+
+
+def _native_expanded_block(q_nope, q_pe, w_uk, w_uv):
+    """(kernel, sgemm address) for the tiled native block step (`k3/ops/csrc/mla_stream.c`): fp32 CPU,
+    no autograd, not while torch.compile traces, the kernel built and torch's BLAS found; else None."""
+    fits = (
+        native.takes(q_nope, q_pe, w_uk, w_uv)
+        and not torch.compiler.is_compiling()
+        and not (torch.is_grad_enabled() and any(t.requires_grad for t in (q_nope, q_pe, w_uk, w_uv)))
+    )
+    sgemm = native.blas_sgemm() if fits else None
+    fn = native.function("mla_stream", "k3_mla_block_expanded", _BLOCK_ARGS) if sgemm else None
+    return None if fn is None else (fn, sgemm)
+
+
+def _over_blocks_native(kernel, q_nope, q_pe, blocks, w_uk, w_uv, scale, q_pos):
+    """`mla_attention_over_blocks` with expand=True and no doc ids, each latent block in one native call
+    that tiles queries so a tile's scores, keys and values stay in L2 (the torch path's [B*H, T, block]
+    score block outgrows L2 for long chunks and every pass over it goes to L3)."""
+    fn, sgemm = kernel
+    B, T, H, Dn = q_nope.shape
+    Dr, Dv, R = q_pe.shape[-1], w_uv.shape[1], w_uk.shape[-1]
+    q = (torch.cat([q_nope, q_pe], -1).transpose(1, 2) * scale).contiguous()  # [B, H, T, Dn+Dr]
+    w_kvb = torch.cat([w_uk, w_uv], 1).contiguous()  # [H, Dn+Dv, R]: kv_b_proj.weight's layout
+    pos = None if q_pos is None else q_pos.to(torch.int64).expand(B, T).contiguous()
+    m = torch.full((B, H, T), float("-inf"))
+    l, acc = torch.zeros(B, H, T), torch.zeros(B, H, T, Dv)
+    s0, dtype, scratch = 0, None, torch.empty(0)
+    for lat in blocks:
+        dtype, s, lat = lat.dtype, lat.shape[1], lat.float().contiguous()
+        need = s * (H * (Dn + Dv) + Dn + Dr + NATIVE_QUERY_TILE)
+        if scratch.numel() < need:
+            scratch = torch.empty(need)
+        fn(sgemm, q.data_ptr(), lat.data_ptr(), w_kvb.data_ptr(), None if pos is None else pos.data_ptr(),
+           B, H, T, s, s0, R, Dn, Dr, Dv, NATIVE_QUERY_TILE, m.data_ptr(), l.data_ptr(), acc.data_ptr(),
+           scratch.data_ptr())  # fmt: skip
+        s0 += s
+    if dtype is None:
+        raise ValueError("blocks yielded no keys")
+    return (acc / l[..., None]).transpose(1, 2).to(dtype)
 
 
 def _block_keys(lat: torch.Tensor, w_uk: torch.Tensor, w_uv: torch.Tensor, H: int):

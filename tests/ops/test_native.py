@@ -225,3 +225,47 @@ def test_native_online_softmax_matches_the_torch_step(monkeypatch, expand, mask)
     v = torch.einsum("bsr,hvr->bshv", c, wuv)
     dense = mla_attention_naive(qn, qp, k_nope, kp, v, 0.3, keep)
     torch.testing.assert_close(fast, dense, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("tile", [8, 128])
+@pytest.mark.parametrize("mask", ["causal", "ragged", "none"])
+def test_native_expanded_blocks_match_the_torch_path(monkeypatch, tile, mask):
+    """The tiled native block step of the expanded form (`k3/ops/csrc/mla_stream.c`: per-block key
+    expansion, per-head query tiles, tiles before the block skipped) == the torch path and the dense
+    naive attention; several tiles per head with tile 8 (row 1's last tile, keys 252..256, straddles the
+    block from key 256), ragged rows, no mask, bf16 latents."""
+    require("mla_stream")
+    if native.blas_sgemm() is None:
+        pytest.skip("torch exports no BLAS sgemm_ here: the kernel cannot run")
+    import k3.ops.mla as mla_ops
+
+    monkeypatch.setattr(mla_ops, "NATIVE_QUERY_TILE", tile)
+    taken = []
+    real = mla_ops._over_blocks_native
+    monkeypatch.setattr(mla_ops, "_over_blocks_native", lambda *a: taken.append(1) or real(*a))
+    g = torch.Generator().manual_seed(0)
+    B, T, S, H, R, Dr, Dn, Dv = 2, 37, 300, 3, 16, 8, 12, 10
+    qn, qp = torch.randn(B, T, H, Dn, generator=g), torch.randn(B, T, H, Dr, generator=g)
+    c, kp = torch.randn(B, S, R, generator=g), torch.randn(B, S, Dr, generator=g)
+    wuk, wuv = torch.randn(H, Dn, R, generator=g) * 0.3, torch.randn(H, Dv, R, generator=g) * 0.3
+    kw = {"causal": {}, "ragged": {"q_offsets": torch.tensor([5, 220])}, "none": {"causal": False}}[mask]
+    with torch.no_grad():
+        fast = mla_attention_blockwise(qn, qp, c, kp, wuk, wuv, 0.3, block_size=64, expand=True, **kw)
+        half = mla_attention_blockwise(qn, qp, c.bfloat16(), kp.bfloat16(), wuk, wuv, 0.3, block_size=64,
+                                       expand=True, **kw)  # fmt: skip
+        assert taken == [1, 1] and half.dtype == torch.bfloat16
+        monkeypatch.setattr(mla_ops, "_native_expanded_block", lambda *a: None)
+        ref = mla_attention_blockwise(qn, qp, c, kp, wuk, wuv, 0.3, block_size=64, expand=True, **kw)
+        ref_half = mla_attention_blockwise(qn, qp, c.bfloat16(), kp.bfloat16(), wuk, wuv, 0.3, block_size=64,
+                                           expand=True, **kw)  # fmt: skip
+    torch.testing.assert_close(fast, ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(half.float(), ref_half.float(), rtol=1e-2, atol=1e-2)
+    if mask == "ragged":
+        keep = ragged_causal_mask(kw["q_offsets"], T, S)
+    else:
+        keep = causal_mask(T, S) if mask == "causal" else None
+    k_nope = torch.einsum("bsr,hdr->bshd", c, wuk)
+    v = torch.einsum("bsr,hvr->bshv", c, wuv)
+    torch.testing.assert_close(
+        fast, mla_attention_naive(qn, qp, k_nope, kp, v, 0.3, keep), rtol=1e-5, atol=1e-5
+    )
