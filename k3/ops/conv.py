@@ -12,14 +12,17 @@ same thing after this call, so prefill -> decode and chunked prefill chain exact
 The math runs in fp32 (the weights are fp32 in the checkpoint); y is cast back to u's dtype and the
 state is kept in u's dtype (the model dtype).
 
-`causal_conv1d` (W shifted multiply-adds over the history-padded sequence, token-major; packed documents
-go through F.conv1d, separated by their own W-1 history columns so nothing crosses a boundary) and
+`causal_conv1d` (one native pass without autograd; else W shifted multiply-adds over the history-padded
+sequence, token-major; packed documents go through F.conv1d, separated by their own W-1 history columns
+so nothing crosses a boundary) and
 `causal_conv1d_update` (one decode step) are the fast paths; `causal_conv1d_ref` is the plain per-token
 loop with the same signature that tests compare to.
 """
 
 import torch
 import torch.nn.functional as F
+
+from k3.ops import native
 
 
 def _check(u: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor | None) -> tuple[int, int, int]:
@@ -77,6 +80,9 @@ def causal_conv1d(
     B, T, C = _check(u, weight, cu_seqlens)
     W = weight.shape[-1]
     if cu_seqlens is None:
+        out = _conv_silu_native(u, weight, initial_state)
+        if out is not None:
+            return out
         x = torch.cat([_history(initial_state, B, u, W).transpose(1, 2), u], dim=1)  # [B, W-1+T, C]
         return _shifted_conv_silu(x, weight, u.dtype), x[:, T:].transpose(1, 2)
     # Packed documents: give every document its own W-1 history columns in one padded sequence.
@@ -95,6 +101,31 @@ def causal_conv1d(
     end_col = (cu_seqlens[1:].long() + (W - 1) * torch.arange(1, N + 1, device=u.device))[:, None]
     final = x[:, end_col - (W - 1) + torch.arange(W - 1, device=u.device)]  # [C, N, W-1]
     return y, final.permute(1, 0, 2)
+
+
+_CONV_ARGS = [native.PTR] * 4 + [native.I64] * 4  # k3_conv_silu(u, hist, w, y, B, T, C, W)
+
+
+def _conv_silu_native(u: torch.Tensor, weight: torch.Tensor, initial_state: torch.Tensor | None):
+    """`causal_conv1d` without documents in one C pass (`k3/ops/csrc/kda_pointwise.c`): the taps read
+    the history and u in place (no padded copy) and SiLU is applied in the same loop. fp32, no autograd;
+    None when the inputs do not fit or the kernel is not built."""
+    B, T, C = u.shape
+    W = weight.shape[-1]
+    hist = None if initial_state is None else _history(initial_state, B, u, W)
+    fits = native.plain(u, weight, *(() if hist is None else (hist,)))
+    fn = native.function("kda_pointwise", "k3_conv_silu", _CONV_ARGS) if fits else None
+    if fn is None:
+        return None
+    uc, w = u.contiguous(), weight[:, 0].t().contiguous()  # w [W, C]: a tap's channels contiguous
+    hc = None if hist is None else hist.contiguous()
+    y = torch.empty_like(uc)
+    fn(uc.data_ptr(), None if hc is None else hc.data_ptr(), w.data_ptr(), y.data_ptr(), B, T, C, W)
+    # the final state: the last W-1 pre-conv inputs of history + u
+    tail = uc[:, max(0, T - (W - 1)) :].transpose(1, 2)
+    if T < W - 1:
+        tail = torch.cat([_history(initial_state, B, u, W)[..., T:], tail], -1)
+    return y, tail
 
 
 def causal_conv1d_update(

@@ -9,11 +9,17 @@ Two forms, chosen by `gate_lower_bound`:
 
 `A_log` is per head ([H]); the checkpoint's zero-padded [128] layout (SPEC §8.1) is cut to [H] by the
 checkpoint adapter, not here. The bounded form keeps exp(+-cumsum(g)) inside a chunk well-scaled, which
-is what lets the chunked KDA kernel use small tensor-core sub-chunks. Everything is computed in fp32.
+is what lets the chunked KDA kernel use small tensor-core sub-chunks. Everything is computed in fp32; the
+safe form without autograd runs as one native pass where the kernel is built.
 """
 
 import torch
 import torch.nn.functional as F
+
+from k3.ops import native
+
+# k3_kda_safe_gate(z, A_log, dt_bias, lower_bound, g, N, H, K)
+_GATE_ARGS = [native.PTR] * 3 + [native.F32, native.PTR] + [native.I64] * 3
 
 
 def kda_gate(
@@ -29,8 +35,34 @@ def kda_gate(
         raise ValueError(f"dt_bias must be [H*K]=[{H * K}], got shape {tuple(dt_bias.shape)}")
     if lower_bound is not None and not lower_bound < 0:
         raise ValueError(f"lower_bound must be negative or None, got {lower_bound!r}")
+    if lower_bound is not None:
+        g = _safe_gate_native(z, A_log, dt_bias, lower_bound)
+        if g is not None:
+            return g
     x = z.float() + dt_bias.float().view(H, K)
     a = A_log.float().exp().view(H, 1)
     if lower_bound is not None:
         return lower_bound * torch.sigmoid(a * x)
     return -a * F.softplus(x, beta=1.0, threshold=20.0)
+
+
+def _safe_gate_native(z, A_log, dt_bias, lower_bound: float) -> torch.Tensor | None:
+    """The safe form in one C pass (`k3/ops/csrc/kda_pointwise.c`); fp32, no autograd, else None."""
+    fits = native.plain(z, A_log, dt_bias)
+    fn = native.function("kda_pointwise", "k3_kda_safe_gate", _GATE_ARGS) if fits else None
+    if fn is None:
+        return None
+    H, K = z.shape[-2:]
+    zc, a, b = z.contiguous(), A_log.contiguous(), dt_bias.contiguous()
+    g = torch.empty_like(zc)
+    fn(
+        zc.data_ptr(),
+        a.data_ptr(),
+        b.data_ptr(),
+        float(lower_bound),
+        g.data_ptr(),
+        zc.numel() // (H * K),
+        H,
+        K,
+    )
+    return g

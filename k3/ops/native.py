@@ -97,6 +97,13 @@ def takes(*tensors) -> bool:
     return all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors)
 
 
+def plain(*tensors) -> bool:
+    """Whether a kernel may replace the torch ops on these tensors: fp32 CPU (`takes`), no gradient to
+    record, and torch.compile not tracing (a traced graph keeps the torch ops: no opaque C calls)."""
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+    return takes(*tensors) and not grad and not torch.compiler.is_compiling()
+
+
 def reset() -> None:
     """Forget loaded libraries (tests switch compilers / K3_NATIVE between calls)."""
     with _lock:

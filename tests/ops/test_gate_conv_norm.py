@@ -176,3 +176,39 @@ def test_gated_rms_norm_normalize_then_gate():
     assert_close("bf16", y, yb, 1e-2)
     with pytest.raises(ValueError, match="weight"):
         gated_rms_norm(o, gate, torch.ones(4), 1e-5)
+
+
+# ---- native passes (k3/ops/csrc/kda_pointwise.c) --------------------------------------------------------
+@pytest.mark.parametrize(
+    "B,T,C,W,with_state",
+    [(2, 40, 20, 4, True), (1, 2, 13, 4, True), (2, 9, 16, 4, False), (1, 6, 8, 1, False)],
+    ids=lambda v: str(v),
+)
+def test_native_pointwise_equal_the_torch_paths(monkeypatch, B, T, C, W, with_state):
+    """Without autograd on fp32 the conv + SiLU, the safe gate and the gated norm run as native passes:
+    each equals its torch path (native.plain patched off), incl. T < W-1 with a history, C not a multiple
+    of 8, W = 1; the final conv state is the same tensor values."""
+    from k3.ops import native
+
+    if native.library("kda_pointwise") is None:
+        pytest.skip("no C compiler: the native kernels cannot be built")
+    g = torch.Generator().manual_seed(0)
+    u, w = torch.randn(B, T, C, generator=g) * 3, torch.randn(C, 1, W, generator=g)
+    s = torch.randn(B, C, W - 1, generator=g) if with_state else None
+    H, K = 2, C // 2
+    z, A_log, dt_bias = (
+        torch.randn(B, T, H, K, generator=g) * 4,
+        torch.randn(H, generator=g),
+        torch.randn(H * K),
+    )
+    o, gate, nw = (
+        torch.randn(B, T, H, K, generator=g) * 5,
+        torch.randn(B, T, H, K, generator=g),
+        torch.rand(K) + 0.5,
+    )
+    with torch.no_grad():
+        fast = (*causal_conv1d(u, w, s), kda_gate(z, A_log, dt_bias, -5.0), gated_rms_norm(o, gate, nw, 1e-5))
+        monkeypatch.setattr(native, "plain", lambda *t: False)
+        ref = (*causal_conv1d(u, w, s), kda_gate(z, A_log, dt_bias, -5.0), gated_rms_norm(o, gate, nw, 1e-5))
+    for name, a, b in zip(("conv y", "conv final state", "gate", "gated norm"), fast, ref, strict=True):
+        assert_close(name, b, a, 0 if name == "conv final state" else 1e-6)

@@ -1,0 +1,73 @@
+/* The KDA layer's pointwise steps without autograd, one pass each (k3/ops/conv.py, gate.py,
+ * gated_norm.py; each has a torch reference with the same contract that tests compare against).
+ *
+ * k3_conv_silu:       y[b, t, c] = SiLU(sum_j w[j, c] x[b, t - W + 1 + j, c]), x = the history [B, C, W-1]
+ *                     (oldest first; NULL = zeros) followed by u [B, T, C]; w transposed to [W, C].
+ * k3_kda_safe_gate:   g = lb * sigmoid(exp(A_log[h]) * (z + dt_bias[h, c])) over rows of [H, K].
+ * k3_gated_rms_norm:  y = o / sqrt(mean(o^2) + eps) * weight * sigmoid(gate) over rows of V.
+ * All fp32; the channel loops vectorise (exp_poly.h's exp), SiLU and sigmoid as 1 / (1 + exp(-x)).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "exp_poly.h"
+
+static inline float sigmoid_one(float x) { return 1.0f / (1.0f + exp_poly(-x)); }
+
+void k3_conv_silu(const float *u, const float *hist, const float *w, float *y, int64_t B, int64_t T, int64_t C,
+                  int64_t W) {
+    for (int64_t b = 0; b < B; b++) {
+        const float *ub = u + b * T * C, *hb = hist ? hist + b * C * (W - 1) : NULL;
+        float *yb = y + b * T * C;
+        for (int64_t t = 0; t < T; t++) {
+            float *restrict out = yb + t * C;
+            if (t >= W - 1) { /* every tap inside u: the vectorised common case */
+                const float *restrict x0 = ub + (t - W + 1) * C;
+                for (int64_t c = 0; c < C; c++) out[c] = w[c] * x0[c];
+                for (int64_t j = 1; j < W; j++) {
+                    const float *restrict xj = x0 + j * C, *restrict wj = w + j * C;
+                    for (int64_t c = 0; c < C; c++) out[c] += wj[c] * xj[c];
+                }
+            } else { /* the first W-1 tokens read the history */
+                for (int64_t c = 0; c < C; c++) out[c] = 0.0f;
+                for (int64_t j = 0; j < W; j++) {
+                    const int64_t p = t - W + 1 + j; /* < 0: history column W-1+p */
+                    for (int64_t c = 0; c < C; c++) {
+                        const float x = p >= 0 ? ub[p * C + c] : (hb ? hb[c * (W - 1) + (W - 1 + p)] : 0.0f);
+                        out[c] += w[j * C + c] * x;
+                    }
+                }
+            }
+            for (int64_t c = 0; c < C; c++) out[c] = out[c] * sigmoid_one(out[c]);
+        }
+    }
+}
+
+void k3_kda_safe_gate(const float *z, const float *A_log, const float *dt_bias, float lower_bound, float *g,
+                      int64_t N, int64_t H, int64_t K) {
+    for (int64_t n = 0; n < N; n++)
+        for (int64_t h = 0; h < H; h++) {
+            const float a = expf(A_log[h]);
+            const float *restrict zr = z + (n * H + h) * K, *restrict bias = dt_bias + h * K;
+            float *restrict gr = g + (n * H + h) * K;
+            for (int64_t c = 0; c < K; c++) gr[c] = lower_bound * sigmoid_one(a * (zr[c] + bias[c]));
+        }
+}
+
+void k3_gated_rms_norm(const float *o, const float *gate, const float *weight, float eps, float *y, int64_t N,
+                       int64_t V) {
+    for (int64_t n = 0; n < N; n++) {
+        const float *restrict orow = o + n * V, *restrict grow = gate + n * V;
+        float *restrict yrow = y + n * V;
+        float part[8] = {0};
+        int64_t c = 0;
+        for (; c + 8 <= V; c += 8)
+            for (int j = 0; j < 8; j++) part[j] += orow[c + j] * orow[c + j];
+        float sq = 0.0f;
+        for (; c < V; c++) sq += orow[c] * orow[c];
+        for (int j = 0; j < 8; j++) sq += part[j];
+        const float inv = 1.0f / sqrtf(sq / (float)V + eps);
+        for (c = 0; c < V; c++) yrow[c] = orow[c] * inv * weight[c] * sigmoid_one(grow[c]);
+    }
+}
