@@ -13,7 +13,8 @@ Reported:
   Each side is the best of `--repeats` runs (as bench/engine.py takes the best of 3): the real last turn,
   then variants with different new text of the same length after the same conversation, so every cache-on
   run hits the same prefix (a repeat of one prompt would find its own tail cached); the cache-off engine
-  runs the same prompts. Every run is printed.
+  runs the same prompts, each right after its cache-on run (on and off alternate, so a slow spell of a
+  shared machine falls on both sides). Every run is printed.
 
     python bench/prefix_cache.py --preset k3-tiny --turns 12 --target-tokens 8500
     python bench/prefix_cache.py --quick --json out.json   # 10 turns to ~2K tokens (a smoke run)
@@ -120,11 +121,13 @@ def main(argv=None) -> None:
         convo + torch.randint(0, model.config.vocab_size - 300, (len(new[-1]),), generator=g).tolist()
         for _ in range(a.repeats - 1)
     ]
-    on_runs = [time_to_first_token(engine, variants[0])]
-    total_hits = engine.scheduler.cache.hit_tokens  # every turn's cached prompt tokens, the last included
-    on_runs += [time_to_first_token(engine, v) for v in variants[1:]]
     off = Engine(model, EngineConfig(**{**cfg.__dict__, "enable_prefix_cache": False}))
-    off_runs = [time_to_first_token(off, v) for v in variants]
+    on_runs, off_runs, total_hits = [], [], 0
+    for i, v in enumerate(variants):  # on and off alternate: a slow spell of the machine hits both sides
+        on_runs.append(time_to_first_token(engine, v))
+        if i == 0:  # every turn's cached prompt tokens, the last included
+            total_hits = engine.scheduler.cache.hit_tokens
+        off_runs.append(time_to_first_token(off, v))
     ttft_on, ttft_off = min(on_runs), min(off_runs)
     total_ceiling = ceiling + ceil_t
     print(f"turn {a.turns:2d}: prompt {len(last):6d}  ceiling {ceil_t:6d}  (TTFT turn)")

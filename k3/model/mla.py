@@ -201,7 +201,9 @@ class MLAAttention(nn.Module):
             if state is not None:
                 state.write(latent)
             return x.new_empty(B, 0, self.o_proj.out_features)
-        if state is not None and self._streams(state, Tq, S, absorb):
+        # the path is chosen by the call's T, not Tq: the dense path gathers all S cached latents, which
+        # the streaming path never holds at once (a prompt's last chunk over a long cache keeps streaming)
+        if state is not None and self._streams(state, T, S, absorb):
             state.write(latent)
             o = self._attend_stream(q_nope, q_pe, state, S, q_lengths)
         else:

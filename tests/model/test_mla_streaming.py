@@ -145,3 +145,15 @@ def test_keep_queries_only_the_last_positions(monkeypatch, config, stream, keep)
     assert torch.equal(full_pool, kept_pool)
     if keep:
         assert _rel_err(full[:, T - keep :], kept) < 1e-5
+
+
+def test_keep_streams_whenever_the_whole_call_would(monkeypatch):
+    """The path follows the call's T, not the kept queries: a long chunk over a long cache streams even
+    for one kept query (the dense path would gather every cached latent: O(S) memory at once)."""
+    layer = build(CFG)
+    x = inputs(1, 6)
+    monkeypatch.setattr(mla_mod, "DENSE_MAX_SCORES", 2 * 1 * 6)  # H*T*S = 2*6*6 streams, H*1*S = 12 would not
+    with torch.no_grad():
+        full = layer(x)
+        kept = layer(x, state=_NoAppend(), keep=1)  # raises if the dense gather runs
+    assert _rel_err(full[:, -1:], kept) < 1e-5
