@@ -2,7 +2,8 @@
 
 Both models are random-init from one K3 config (HF gets `config.to_hf()` with hidden_act=silu, since
 SiTU is ours; it has no AttnRes and full-width experts, so its parameter count differs -- printed).
-Measured on the same inputs, best of 3 after a warm-up:
+Measured on the same inputs, best of 3 after a warm-up, the sides taking turns run by run (a slow spell
+of a shared machine then falls on all of them):
 * prefill tokens/s at batch 1 (k3: a max_tokens=1 request without prefix cache; HF: one forward with
   use_cache=True and logits_to_keep=1, as its generate's prefill);
 * decode tokens/s at batch 1 (generation time minus the prefill time, over N new tokens);
@@ -44,16 +45,20 @@ def build(name: str, dtype: torch.dtype, device: str):
     return k3.to(device, dtype).eval(), hf.to(device, dtype).eval(), config
 
 
-def timed(fn, repeat: int = 3) -> tuple[float, float]:
-    """(wall, CPU) seconds, each the best of `repeat` runs after a warm-up (the least disturbed by other
-    load on the machine)."""
-    fn()
-    wall = cpu = float("inf")
-    for _ in range(repeat):
-        t0, c0 = time.perf_counter(), time.process_time()
+def timed(fns: dict, repeat: int = 3) -> dict[str, tuple[float, float]]:
+    """name -> (wall, CPU) seconds of each fn, the best of `repeat` runs after a warm-up (the least
+    disturbed by other load on the machine). The fns take turns run by run, so a slow spell of a shared
+    machine falls on every side rather than on whichever ran then."""
+    for fn in fns.values():
         fn()
-        wall, cpu = min(wall, time.perf_counter() - t0), min(cpu, time.process_time() - c0)
-    return wall, cpu
+    best = {name: (float("inf"), float("inf")) for name in fns}
+    for _ in range(repeat):
+        for name, fn in fns.items():
+            t0, c0 = time.perf_counter(), time.process_time()
+            fn()
+            wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+            best[name] = (min(best[name][0], wall), min(best[name][1], cpu))
+    return best
 
 
 def decode_rate(tokens: int, seconds: float) -> float:
@@ -135,12 +140,15 @@ def main(argv=None) -> None:
         eager = K3Runner(k3, False)
         runs["k3-eager"] = lambda ps, n, m=max_len: eager(ps, n, m)
     rates = {}  # name -> clock -> (prefill tok/s, decode tok/s at B=1, batch gen tok/s)
-    for name, run in runs.items():
-        pre = timed(lambda run=run: run(one, 1))
-        gen = timed(lambda run=run: run(one, a.new + 1))
-        thr = timed(lambda run=run: run(batch, a.new, a.batch_prompt + a.new + 64))
+    pre = timed({name: lambda run=run: run(one, 1) for name, run in runs.items()})
+    gen = timed({name: lambda run=run: run(one, a.new + 1) for name, run in runs.items()})
+    thr = timed(
+        {name: lambda run=run: run(batch, a.new, a.batch_prompt + a.new + 64) for name, run in runs.items()}
+    )
+    for name in runs:
+        t_pre, t_gen, t_thr = pre[name], gen[name], thr[name]
         rates[name] = {
-            clock: (a.prompt / pre[i], decode_rate(a.new, gen[i] - pre[i]), a.batch * a.new / thr[i])
+            clock: (a.prompt / t_pre[i], decode_rate(a.new, t_gen[i] - t_pre[i]), a.batch * a.new / t_thr[i])
             for i, clock in enumerate(("wall", "cpu"))
         }
     cols = ("prefill tok/s", "decode tok/s (B=1)", f"batch-{a.batch} gen tok/s")
