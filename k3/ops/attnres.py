@@ -81,11 +81,9 @@ def attn_res_native(sources: list[torch.Tensor], qk: torch.Tensor, eps: float) -
     not built."""
     s0 = sources[0]
     fits = (
-        not torch.compiler.is_compiling()  # a traced graph keeps the torch ops (no opaque C call)
-        and len(sources) <= NATIVE_MAX_SOURCES
-        and native.takes(qk, *sources)
+        len(sources) <= NATIVE_MAX_SOURCES
+        and native.plain(qk, *sources)
         and all(v.shape == s0.shape and v.is_contiguous() for v in sources)
-        and not (torch.is_grad_enabled() and any(v.requires_grad for v in (qk, *sources)))
         and qk.is_contiguous()
     )
     fn = native.function("attn_res", "k3_attn_res", _NATIVE_ARGS) if fits else None

@@ -342,12 +342,7 @@ NATIVE_QUERY_TILE = 128  # queries per tile: a [128, 512] score tile, the keys a
 def _native_expanded_block(q_nope, q_pe, w_uk, w_uv):
     """(kernel, sgemm address) for the tiled native block step (`k3/ops/csrc/mla_stream.c`): fp32 CPU,
     no autograd, not while torch.compile traces, the kernel built and torch's BLAS found; else None."""
-    fits = (
-        native.takes(q_nope, q_pe, w_uk, w_uv)
-        and not torch.compiler.is_compiling()
-        and not (torch.is_grad_enabled() and any(t.requires_grad for t in (q_nope, q_pe, w_uk, w_uv)))
-    )
-    sgemm = native.blas_sgemm() if fits else None
+    sgemm = native.blas_sgemm() if native.plain(q_nope, q_pe, w_uk, w_uv) else None
     fn = native.function("mla_stream", "k3_mla_block_expanded", _BLOCK_ARGS) if sgemm else None
     return None if fn is None else (fn, sgemm)
 

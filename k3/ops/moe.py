@@ -209,8 +209,7 @@ def _experts_kernel(z, weights, w1, w2, w3, act: GLUFn):
     """(kernel, sgemm address, act code) when `experts_native` can run these inputs, else None: fp32 CPU,
     contiguous stacked weights, no autograd, a built kernel, torch's BLAS found, a known activation."""
     code = _native_act(act)
-    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (z, weights, w1, w2, w3))
-    if code is None or needs_grad or not native.takes(z, w1, w2, w3):
+    if code is None or not native.plain(z, weights, w1, w2, w3):
         return None
     if not all(w.is_contiguous() for w in (w1, w2, w3)):
         return None
