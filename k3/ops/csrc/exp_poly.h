@@ -1,4 +1,5 @@
-/* Shared by the native kernels (the .c files beside it): a vectorisable single-precision exp. */
+/* Shared by the native kernels (the .c files beside it): a vectorisable single-precision exp (and expm1,
+ * sigmoid built on it). */
 #ifndef K3_EXP_POLY_H
 #define K3_EXP_POLY_H
 
@@ -48,5 +49,8 @@ static inline float expm1_poly(float x) {
     (void)exp_expm1_poly(x, &em1);
     return em1;
 }
+
+/* sigmoid(x) = 1 / (1 + exp(-x)) (SiLU is x sigmoid(x)); exact limits 0 and 1 at the clamp */
+static inline float sigmoid_poly(float x) { return 1.0f / (1.0f + exp_poly(-x)); }
 
 #endif

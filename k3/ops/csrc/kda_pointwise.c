@@ -1,19 +1,15 @@
-/* The KDA layer's pointwise steps without autograd, one pass each (k3/ops/conv.py, gate.py,
- * gated_norm.py; each has a torch reference with the same contract that tests compare against).
+/* The KDA layer's pointwise steps without autograd, one pass each (k3/ops/conv.py, gate.py; each has a
+ * torch reference with the same contract that tests compare against).
  *
  * k3_conv_silu:       y[b, t, c] = SiLU(sum_j w[j, c] x[b, t - W + 1 + j, c]), x = the history [B, C, W-1]
  *                     (oldest first; NULL = zeros) followed by u [B, T, C]; w transposed to [W, C].
  * k3_kda_safe_gate:   g = lb * sigmoid(exp(A_log[h]) * (z + dt_bias[h, c])) over rows of [H, K].
- * k3_gated_rms_norm:  y = o / sqrt(mean(o^2) + eps) * weight * sigmoid(gate) over rows of V.
  * All fp32; the channel loops vectorise (exp_poly.h's exp), SiLU and sigmoid as 1 / (1 + exp(-x)).
  */
 #include <math.h>
 #include <stdint.h>
-#include <string.h>
 
 #include "exp_poly.h"
-
-static inline float sigmoid_one(float x) { return 1.0f / (1.0f + exp_poly(-x)); }
 
 void k3_conv_silu(const float *u, const float *hist, const float *w, float *y, int64_t B, int64_t T, int64_t C,
                   int64_t W) {
@@ -39,7 +35,7 @@ void k3_conv_silu(const float *u, const float *hist, const float *w, float *y, i
                     }
                 }
             }
-            for (int64_t c = 0; c < C; c++) out[c] = out[c] * sigmoid_one(out[c]);
+            for (int64_t c = 0; c < C; c++) out[c] = out[c] * sigmoid_poly(out[c]);
         }
     }
 }
@@ -51,23 +47,6 @@ void k3_kda_safe_gate(const float *z, const float *A_log, const float *dt_bias, 
             const float a = expf(A_log[h]);
             const float *restrict zr = z + (n * H + h) * K, *restrict bias = dt_bias + h * K;
             float *restrict gr = g + (n * H + h) * K;
-            for (int64_t c = 0; c < K; c++) gr[c] = lower_bound * sigmoid_one(a * (zr[c] + bias[c]));
+            for (int64_t c = 0; c < K; c++) gr[c] = lower_bound * sigmoid_poly(a * (zr[c] + bias[c]));
         }
-}
-
-void k3_gated_rms_norm(const float *o, const float *gate, const float *weight, float eps, float *y, int64_t N,
-                       int64_t V) {
-    for (int64_t n = 0; n < N; n++) {
-        const float *restrict orow = o + n * V, *restrict grow = gate + n * V;
-        float *restrict yrow = y + n * V;
-        float part[8] = {0};
-        int64_t c = 0;
-        for (; c + 8 <= V; c += 8)
-            for (int j = 0; j < 8; j++) part[j] += orow[c + j] * orow[c + j];
-        float sq = 0.0f;
-        for (; c < V; c++) sq += orow[c] * orow[c];
-        for (int j = 0; j < 8; j++) sq += part[j];
-        const float inv = 1.0f / sqrtf(sq / (float)V + eps);
-        for (c = 0; c < V; c++) yrow[c] = orow[c] * inv * weight[c] * sigmoid_one(grow[c]);
-    }
 }
