@@ -82,11 +82,10 @@ def attn_res_native(sources: list[torch.Tensor], qk: torch.Tensor, eps: float) -
     s0 = sources[0]
     fits = (
         len(sources) <= NATIVE_MAX_SOURCES
-        and native.plain(qk, *sources)
         and all(v.shape == s0.shape and v.is_contiguous() for v in sources)
         and qk.is_contiguous()
     )
-    fn = native.function("attn_res", "k3_attn_res", _NATIVE_ARGS) if fits else None
+    fn = native.plain_function("attn_res", "k3_attn_res", _NATIVE_ARGS, qk, *sources) if fits else None
     if fn is None:
         return None
     out = torch.empty_like(s0)

@@ -113,8 +113,8 @@ def _conv_silu_native(u: torch.Tensor, weight: torch.Tensor, initial_state: torc
     B, T, C = u.shape
     W = weight.shape[-1]
     hist = None if initial_state is None else _history(initial_state, B, u, W)
-    fits = native.plain(u, weight, *(() if hist is None else (hist,)))
-    fn = native.function("kda_pointwise", "k3_conv_silu", _CONV_ARGS) if fits else None
+    history = () if hist is None else (hist,)
+    fn = native.plain_function("kda_pointwise", "k3_conv_silu", _CONV_ARGS, u, weight, *history)
     if fn is None:
         return None
     uc, w = u.contiguous(), weight[:, 0].t().contiguous()  # w [W, C]: a tap's channels contiguous
@@ -124,7 +124,7 @@ def _conv_silu_native(u: torch.Tensor, weight: torch.Tensor, initial_state: torc
     # the final state: the last W-1 pre-conv inputs of history + u
     tail = uc[:, max(0, T - (W - 1)) :].transpose(1, 2)
     if T < W - 1:
-        tail = torch.cat([_history(initial_state, B, u, W)[..., T:], tail], -1)
+        tail = torch.cat([(hc if hc is not None else u.new_zeros(B, C, W - 1))[..., T:], tail], -1)
     return y, tail
 
 

@@ -342,9 +342,9 @@ NATIVE_QUERY_TILE = 128  # queries per tile: a [128, 512] score tile, the keys a
 def _native_expanded_block(q_nope, q_pe, w_uk, w_uv):
     """(kernel, sgemm address) for the tiled native block step (`k3/ops/csrc/mla_stream.c`): fp32 CPU,
     no autograd, not while torch.compile traces, the kernel built and torch's BLAS found; else None."""
-    sgemm = native.blas_sgemm() if native.plain(q_nope, q_pe, w_uk, w_uv) else None
-    fn = native.function("mla_stream", "k3_mla_block_expanded", _BLOCK_ARGS) if sgemm else None
-    return None if fn is None else (fn, sgemm)
+    fn = native.plain_function("mla_stream", "k3_mla_block_expanded", _BLOCK_ARGS, q_nope, q_pe, w_uk, w_uv)
+    sgemm = native.blas_sgemm() if fn is not None else None
+    return None if sgemm is None else (fn, sgemm)
 
 
 def _over_blocks_native(kernel, q_nope, q_pe, blocks, w_uk, w_uv, scale, q_pos):

@@ -209,13 +209,11 @@ def _experts_kernel(z, weights, w1, w2, w3, act: GLUFn):
     """(kernel, sgemm address, act code) when `experts_native` can run these inputs, else None: fp32 CPU,
     contiguous stacked weights, no autograd, a built kernel, torch's BLAS found, a known activation."""
     code = _native_act(act)
-    if code is None or not native.plain(z, weights, w1, w2, w3):
+    if code is None or not all(w.is_contiguous() for w in (w1, w2, w3)):
         return None
-    if not all(w.is_contiguous() for w in (w1, w2, w3)):
-        return None
-    sgemm = native.blas_sgemm()
-    fn = native.function("moe_experts", "k3_experts_situ", _EXPERTS_ARGS) if sgemm else None
-    return None if fn is None else (fn, sgemm, code)
+    fn = native.plain_function("moe_experts", "k3_experts_situ", _EXPERTS_ARGS, z, weights, w1, w2, w3)
+    sgemm = native.blas_sgemm() if fn is not None else None
+    return None if sgemm is None else (fn, sgemm, code)
 
 
 def experts_native(z, weights, indices, w1, w2, w3, act: GLUFn) -> torch.Tensor | None:
@@ -307,10 +305,9 @@ def experts_auto(z, weights, indices, w1, w2, w3, act: GLUFn) -> torch.Tensor:
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (z, weights, w1, w2, w3))
     if torch.compiler.is_compiling() and not needs_grad and indices.numel() <= GATHER_MAX_SLOTS:
         return experts_gathered(z, weights, indices, w1, w2, w3, act)
-    if not needs_grad and not torch.compiler.is_compiling():
-        out = experts_native(z, weights, indices, w1, w2, w3, act)
-        if out is not None:
-            return out.to(z.dtype)
+    out = experts_native(z, weights, indices, w1, w2, w3, act)  # None with autograd or while tracing
+    if out is not None:
+        return out
     limit = ACTIVE_MAX_ELEMENTS * (4 if fused_activations_enabled() else 1)  # one fused GLU call pays more
     if needs_grad or indices.numel() * w1.shape[1] > limit:
         return experts_grouped(z, weights, indices, w1, w2, w3, act)

@@ -104,6 +104,12 @@ def plain(*tensors) -> bool:
     return takes(*tensors) and not grad and not torch.compiler.is_compiling()
 
 
+def plain_function(name: str, symbol: str, argtypes: list, *tensors):
+    """`function(name, symbol, argtypes)` when `plain(*tensors)` holds, else None: the one test every
+    inference-only kernel's caller makes before taking it over its torch path."""
+    return function(name, symbol, argtypes) if plain(*tensors) else None
+
+
 def reset() -> None:
     """Forget loaded libraries (tests switch compilers / K3_NATIVE between calls)."""
     with _lock:

@@ -200,6 +200,32 @@ def test_chunk_kda_native_equals_torch_path(monkeypatch):
     torch.testing.assert_close(s_native, s_torch, rtol=1e-5, atol=1e-5)
 
 
+def _blockwise_case(mask: str, ragged_offsets: list[int]):
+    """2 rows of 37 queries over 300 keys, 3 heads (R 16, Dr 8, Dn 12, Dv 10): (qn, qp, c, kp, wuk, wuv)
+    and mla_attention_blockwise's mask arguments for `mask` in causal / ragged / none."""
+    g = torch.Generator().manual_seed(0)
+    B, T, S, H, R, Dr, Dn, Dv = 2, 37, 300, 3, 16, 8, 12, 10
+    qn, qp = torch.randn(B, T, H, Dn, generator=g), torch.randn(B, T, H, Dr, generator=g)
+    c, kp = torch.randn(B, S, R, generator=g), torch.randn(B, S, Dr, generator=g)
+    wuk, wuv = torch.randn(H, Dn, R, generator=g) * 0.3, torch.randn(H, Dv, R, generator=g) * 0.3
+    kw = {"causal": {}, "ragged": {"q_offsets": torch.tensor(ragged_offsets)}, "none": {"causal": False}}[
+        mask
+    ]
+    return (qn, qp, c, kp, wuk, wuv), kw
+
+
+def _dense_attention(qn, qp, c, kp, wuk, wuv, kw):
+    """The same case as the dense naive attention (per-head keys and values materialized)."""
+    T, S = qn.shape[1], c.shape[1]
+    if "q_offsets" in kw:
+        keep = ragged_causal_mask(kw["q_offsets"], T, S)
+    else:
+        keep = causal_mask(T, S) if kw.get("causal", True) else None
+    k_nope = torch.einsum("bsr,hdr->bshd", c, wuk)
+    v = torch.einsum("bsr,hvr->bshv", c, wuv)
+    return mla_attention_naive(qn, qp, k_nope, kp, v, 0.3, keep)
+
+
 @pytest.mark.parametrize("expand", [False, True])
 @pytest.mark.parametrize("mask", ["causal", "ragged", "none"])
 def test_native_online_softmax_matches_the_torch_step(monkeypatch, expand, mask):
@@ -207,24 +233,12 @@ def test_native_online_softmax_matches_the_torch_step(monkeypatch, expand, mask)
     (queries = the last T keys), ragged rows (row 0 sees 5..41 keys: most blocks fully masked for it)
     and unmasked; and both == the dense naive attention."""
     require("online_softmax")
-    g = torch.Generator().manual_seed(0)
-    B, T, S, H, R, Dr, Dn, Dv = 2, 37, 300, 3, 16, 8, 12, 10
-    qn, qp = torch.randn(B, T, H, Dn, generator=g), torch.randn(B, T, H, Dr, generator=g)
-    c, kp = torch.randn(B, S, R, generator=g), torch.randn(B, S, Dr, generator=g)
-    wuk, wuv = torch.randn(H, Dn, R, generator=g) * 0.3, torch.randn(H, Dv, R, generator=g) * 0.3
-    kw = {"causal": {}, "ragged": {"q_offsets": torch.tensor([5, 200])}, "none": {"causal": False}}[mask]
-    fast = mla_attention_blockwise(qn, qp, c, kp, wuk, wuv, 0.3, block_size=64, expand=expand, **kw)
+    case, kw = _blockwise_case(mask, [5, 200])
+    fast = mla_attention_blockwise(*case, 0.3, block_size=64, expand=expand, **kw)
     monkeypatch.setattr(native, "library", lambda name: None)
-    ref = mla_attention_blockwise(qn, qp, c, kp, wuk, wuv, 0.3, block_size=64, expand=expand, **kw)
+    ref = mla_attention_blockwise(*case, 0.3, block_size=64, expand=expand, **kw)
     torch.testing.assert_close(fast, ref, rtol=1e-5, atol=1e-6)
-    if mask == "ragged":
-        keep = ragged_causal_mask(kw["q_offsets"], T, S)
-    else:
-        keep = causal_mask(T, S) if mask == "causal" else None
-    k_nope = torch.einsum("bsr,hdr->bshd", c, wuk)
-    v = torch.einsum("bsr,hvr->bshv", c, wuv)
-    dense = mla_attention_naive(qn, qp, k_nope, kp, v, 0.3, keep)
-    torch.testing.assert_close(fast, dense, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(fast, _dense_attention(*case, kw), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("tile", [8, 128])
@@ -243,29 +257,16 @@ def test_native_expanded_blocks_match_the_torch_path(monkeypatch, tile, mask):
     taken = []
     real = mla_ops._over_blocks_native
     monkeypatch.setattr(mla_ops, "_over_blocks_native", lambda *a: taken.append(1) or real(*a))
-    g = torch.Generator().manual_seed(0)
-    B, T, S, H, R, Dr, Dn, Dv = 2, 37, 300, 3, 16, 8, 12, 10
-    qn, qp = torch.randn(B, T, H, Dn, generator=g), torch.randn(B, T, H, Dr, generator=g)
-    c, kp = torch.randn(B, S, R, generator=g), torch.randn(B, S, Dr, generator=g)
-    wuk, wuv = torch.randn(H, Dn, R, generator=g) * 0.3, torch.randn(H, Dv, R, generator=g) * 0.3
-    kw = {"causal": {}, "ragged": {"q_offsets": torch.tensor([5, 220])}, "none": {"causal": False}}[mask]
+    case, kw = _blockwise_case(mask, [5, 220])
+    qn, qp, c, kp, wuk, wuv = case
+    half_case = (qn, qp, c.bfloat16(), kp.bfloat16(), wuk, wuv)
     with torch.no_grad():
-        fast = mla_attention_blockwise(qn, qp, c, kp, wuk, wuv, 0.3, block_size=64, expand=True, **kw)
-        half = mla_attention_blockwise(qn, qp, c.bfloat16(), kp.bfloat16(), wuk, wuv, 0.3, block_size=64,
-                                       expand=True, **kw)  # fmt: skip
+        fast = mla_attention_blockwise(*case, 0.3, block_size=64, expand=True, **kw)
+        half = mla_attention_blockwise(*half_case, 0.3, block_size=64, expand=True, **kw)
         assert taken == [1, 1] and half.dtype == torch.bfloat16
         monkeypatch.setattr(mla_ops, "_native_expanded_block", lambda *a: None)
-        ref = mla_attention_blockwise(qn, qp, c, kp, wuk, wuv, 0.3, block_size=64, expand=True, **kw)
-        ref_half = mla_attention_blockwise(qn, qp, c.bfloat16(), kp.bfloat16(), wuk, wuv, 0.3, block_size=64,
-                                           expand=True, **kw)  # fmt: skip
+        ref = mla_attention_blockwise(*case, 0.3, block_size=64, expand=True, **kw)
+        ref_half = mla_attention_blockwise(*half_case, 0.3, block_size=64, expand=True, **kw)
     torch.testing.assert_close(fast, ref, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(half.float(), ref_half.float(), rtol=1e-2, atol=1e-2)
-    if mask == "ragged":
-        keep = ragged_causal_mask(kw["q_offsets"], T, S)
-    else:
-        keep = causal_mask(T, S) if mask == "causal" else None
-    k_nope = torch.einsum("bsr,hdr->bshd", c, wuk)
-    v = torch.einsum("bsr,hvr->bshv", c, wuv)
-    torch.testing.assert_close(
-        fast, mla_attention_naive(qn, qp, k_nope, kp, v, 0.3, keep), rtol=1e-5, atol=1e-5
-    )
+    torch.testing.assert_close(fast, _dense_attention(*case, kw), rtol=1e-5, atol=1e-5)

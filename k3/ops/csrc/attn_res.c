@@ -9,25 +9,10 @@
  */
 #include <math.h>
 #include <stdint.h>
-#include <string.h>
+
+#include "lanes.h"
 
 #define MAX_SOURCES 64 /* k3.ops.attnres.NATIVE_MAX_SOURCES */
-
-/* 8 fp32 lanes (GCC / Clang vector extension: AVX on x86-64, two NEON registers on arm64). Written out
- * because gcc scalarises the 8-partial-sums form of this reduction once it is inlined into the row loop. */
-typedef float lanes8 __attribute__((vector_size(32)));
-
-static inline lanes8 load8(const float *p) {
-    lanes8 v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
-
-static inline float sum8(lanes8 v) {
-    float s = 0.0f;
-    for (int j = 0; j < 8; j++) s += v[j];
-    return s;
-}
 
 static inline void dot_and_square(const float *restrict v, const float *restrict qk, int64_t D, float *dot,
                                   float *sq) {

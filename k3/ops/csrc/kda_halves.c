@@ -22,6 +22,7 @@
 #include <string.h>
 
 #include "exp_poly.h"
+#include "lanes.h"
 
 /* per-channel factors of one matrix from the half totals tot0, tot1 [K]: exp(tot_a / 2) (which is also
  * exp(mid_0) and the second half's exp(tail)), exp(mid_1), the first half's exp(tail), exp(tot0 + tot1) */
@@ -54,19 +55,6 @@ static void token_rows(const float *restrict qt, const float *restrict kt, const
         xw[c] = rk * e_mid[c];
         kdec_t[c] = kc * e_tail[c];
     }
-}
-
-/* sum of squares of x[0:K] with 8 independent partial sums (one vector register, no FP
- * reassociation needed to vectorise) */
-static inline float sum_squares(const float *restrict x, int64_t K) {
-    float part[8] = {0};
-    int64_t c = 0;
-    for (; c + 8 <= K; c += 8)
-        for (int l = 0; l < 8; l++) part[l] += x[c + l] * x[c + l];
-    float s = 0.0f;
-    for (; c < K; c++) s += x[c] * x[c];
-    for (int l = 0; l < 8; l++) s += part[l];
-    return s;
 }
 
 typedef struct {

@@ -16,25 +16,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "blas.h"
 #include "softmax_row.h"
-
-typedef void (*sgemm_fn)(const char *transa, const char *transb, const int *m, const int *n, const int *k,
-                         const float *alpha, const float *a, const int *lda, const float *b, const int *ldb,
-                         const float *beta, float *c, const int *ldc);
-
-/* Row-major C [rows, n] (ld ldc) = beta C + A [rows, k] (ld lda) B^T, B row-major [n, k] (ld ldb). */
-static void gemm_abt(sgemm_fn sgemm, const float *a, int lda, const float *b, int ldb, float *c, int ldc, int rows,
-                     int n, int k, float beta) {
-    const float one = 1.0f;
-    sgemm("T", "N", &n, &rows, &k, &one, b, &ldb, a, &lda, &beta, c, &ldc);
-}
-
-/* Row-major C [rows, n] (ld ldc) = beta C + A [rows, k] (ld lda) B, B row-major [k, n] (ld ldb). */
-static void gemm_ab(sgemm_fn sgemm, const float *a, int lda, const float *b, int ldb, float *c, int ldc, int rows,
-                    int n, int k, float beta) {
-    const float one = 1.0f;
-    sgemm("N", "N", &n, &rows, &k, &one, b, &ldb, a, &lda, &beta, c, &ldc);
-}
 
 void k3_mla_block_expanded(void *sgemm_ptr, const float *q, const float *lat, const float *w_kvb,
                            const int64_t *q_pos, int64_t B, int64_t H, int64_t T, int64_t s, int64_t s0, int64_t R,

@@ -15,19 +15,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "blas.h"
 #include "situ.h"
-
-typedef void (*sgemm_fn)(const char *transa, const char *transb, const int *m, const int *n, const int *k,
-                         const float *alpha, const float *a, const int *lda, const float *b, const int *ldb,
-                         const float *beta, float *c, const int *ldc);
-
-/* Row-major C [rows, n] = A [rows, k] B^T with B row-major [n, k]: column-major C^T = B^T' A^T, i.e.
- * sgemm('T', 'N', n, rows, k, B (ld k), A (ld k), C (ld n)). */
-static void rows_times_transposed(sgemm_fn sgemm, const float *a, const float *b, float *c, int rows, int n,
-                                  int k) {
-    const float one = 1.0f, zero = 0.0f;
-    sgemm("T", "N", &n, &rows, &k, &one, b, &k, a, &k, &zero, c, &n);
-}
 
 void k3_experts_situ(void *sgemm_ptr, const float *z, const int64_t *token_of_slot, const float *weight,
                      const int64_t *counts, int64_t E, int64_t Dl, int64_t I, const float *w1, const float *w3,
@@ -40,13 +29,13 @@ void k3_experts_situ(void *sgemm_ptr, const float *z, const int64_t *token_of_sl
         float *x = scratch, *g = x + c * Dl, *u = g + c * I;
         const int64_t *tok = token_of_slot + off;
         for (int64_t r = 0; r < c; r++) memcpy(x + r * Dl, z + tok[r] * Dl, (size_t)Dl * sizeof(float));
-        rows_times_transposed(sgemm, x, w1 + e * I * Dl, g, (int)c, (int)I, (int)Dl);
-        rows_times_transposed(sgemm, x, w3 + e * I * Dl, u, (int)c, (int)I, (int)Dl);
+        gemm_abt(sgemm, x, (int)Dl, w1 + e * I * Dl, (int)Dl, g, (int)I, (int)c, (int)I, (int)Dl, 0.0f);
+        gemm_abt(sgemm, x, (int)Dl, w3 + e * I * Dl, (int)Dl, u, (int)I, (int)c, (int)I, (int)Dl, 0.0f);
         if (act == 0)
             situ_rows(g, u, g, c * I, beta1, beta2);
         else
-            for (int64_t i = 0; i < c * I; i++) g[i] = g[i] / (1.0f + exp_poly(-g[i])) * u[i];
-        rows_times_transposed(sgemm, g, w2 + e * Dl * I, x, (int)c, (int)Dl, (int)I);  /* Y over X */
+            for (int64_t i = 0; i < c * I; i++) g[i] = g[i] * sigmoid_poly(g[i]) * u[i];
+        gemm_abt(sgemm, g, (int)I, w2 + e * Dl * I, (int)I, x, (int)Dl, (int)c, (int)Dl, (int)I, 0.0f);  /* Y over X */
         for (int64_t r = 0; r < c; r++) {
             float *restrict dst = out + tok[r] * Dl;
             const float *restrict y = x + r * Dl;
