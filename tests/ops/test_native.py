@@ -55,8 +55,10 @@ def test_missing_compiler_warns_and_falls_back(fresh_native, monkeypatch):
     q, k, v = (torch.randn(1, 70, 2, 16, generator=gen) for _ in range(3))
     g = -5 * torch.sigmoid(torch.randn(1, 70, 2, 16, generator=gen))
     beta = torch.rand(1, 70, 2, generator=gen)
-    with pytest.warns(UserWarning, match="'kda_halves' unavailable"):
+    with pytest.warns(UserWarning) as caught:
         o, _ = chunk_kda(q, k, v, g, beta)
+    warned = " ".join(str(w.message) for w in caught)
+    assert "'kda_fused' unavailable" in warned and "'kda_halves' unavailable" in warned
     o_ref, _ = naive_recurrent_kda(q, k, v, g, beta)
     torch.testing.assert_close(o, o_ref, rtol=1e-5, atol=1e-6)
 
@@ -198,6 +200,95 @@ def test_chunk_kda_native_equals_torch_path(monkeypatch):
     o_torch, s_torch = chunk_kda(q, k, v, g, beta, output_final_state=True)
     torch.testing.assert_close(o_native, o_torch, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(s_native, s_torch, rtol=1e-5, atol=1e-5)
+
+
+FUSED_CASES = {  # B, T, H, K, V, chunk size, gate, initial state
+    "bench shape": (1, 512, 4, 64, 64, 64, "safe", True),
+    "batch 2, K != V, ragged tail": (2, 300, 2, 32, 48, 64, "safe", True),
+    "chunk 32, no initial state": (1, 130, 2, 16, 32, 32, "safe", False),
+    "chunk 128, gentle gate": (2, 200, 1, 32, 16, 128, "gentle", True),
+    "at the two-half decay limit": (1, 192, 2, 64, 32, 64, "limit", True),
+}
+
+
+def _kda_case(B, T, H, K, V, gate, h0, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q, k = torch.randn(B, T, H, K, generator=gen), torch.randn(B, T, H, K, generator=gen)
+    v = torch.randn(B, T, H, V, generator=gen)
+    z = torch.randn(B, T, H, K, generator=gen)
+    g = {"safe": -5 * torch.sigmoid(z), "gentle": F.logsigmoid(z) / 8, "limit": -4.35 + 0.02 * z.sigmoid()}[
+        gate
+    ]
+    beta = torch.rand(B, T, H, generator=gen)
+    s0 = torch.randn(B, H, K, V, generator=gen) if h0 else None
+    return (q, k, v, g, beta), s0
+
+
+def _spy_fused(monkeypatch) -> list:
+    """Record whether each chunk_kda call ran the fused native pass."""
+    ran, real = [], chunk_module.fused_forward
+    monkeypatch.setattr(chunk_module, "fused_forward", lambda *a: ran.append(real(*a)) or ran[-1])
+    return ran
+
+
+def _rel(got, want) -> float:
+    return ((got.double() - want.double()).norm() / want.double().norm()).item()
+
+
+@pytest.mark.parametrize("case", FUSED_CASES.values(), ids=FUSED_CASES.keys())
+def test_fused_chunk_kda_matches_the_torch_path_and_naive(monkeypatch, case):
+    """The fused pass (kda_fused.c) against chunk_kda's torch path (to fp32 rounding) and the token loop."""
+    require("kda_fused")
+    *shape, C, gate, h0 = case
+    inputs, s0 = _kda_case(*shape, gate, h0)
+    ran = _spy_fused(monkeypatch)
+    o, s = chunk_kda(*inputs, initial_state=s0, output_final_state=True, chunk_size=C)
+    assert len(ran) == 1 and ran[0] is not None, "the fused pass did not run"
+    monkeypatch.setattr(chunk_module, "fused_forward", lambda *a: None)
+    o_torch, s_torch = chunk_kda(*inputs, initial_state=s0, output_final_state=True, chunk_size=C)
+    o_ref, s_ref = naive_recurrent_kda(*inputs, initial_state=s0, output_final_state=True)
+    assert torch.isfinite(o).all() and torch.isfinite(s).all()
+    assert _rel(o, o_torch) <= 1e-6 and _rel(s, s_torch) <= 1e-6, (_rel(o, o_torch), _rel(s, s_torch))
+    assert _rel(o, o_ref) <= 1e-5 and _rel(s, s_ref) <= 1e-5, (_rel(o, o_ref), _rel(s, s_ref))
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_fused_chunk_kda_documents_and_threads(monkeypatch, threads):
+    """Packed documents (cu_seqlens, one initial state each) with the (document, head) pairs split across
+    threads: each document equals the token loop over it alone."""
+    require("kda_fused")
+    cu = [0, 15, 100, 164, 300]
+    inputs, _ = _kda_case(1, cu[-1], 2, 32, 48, "safe", False, seed=4)
+    s0 = torch.randn(len(cu) - 1, 2, 32, 48, generator=torch.Generator().manual_seed(5))
+    ran = _spy_fused(monkeypatch)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        o, s = chunk_kda(*inputs, initial_state=s0, output_final_state=True, cu_seqlens=torch.tensor(cu))
+    finally:
+        torch.set_num_threads(before)
+    assert ran[0] is not None
+    for n, (a, b) in enumerate(zip(cu[:-1], cu[1:], strict=True)):
+        doc = [x[:, a:b] for x in inputs]
+        o_ref, s_ref = naive_recurrent_kda(*doc, initial_state=s0[n : n + 1], output_final_state=True)
+        assert _rel(o[:, a:b], o_ref) <= 1e-5 and _rel(s[n : n + 1], s_ref) <= 1e-5, n
+
+
+def test_fused_chunk_kda_leaves_autograd_and_odd_shapes_to_the_torch_path(monkeypatch):
+    """Inputs that need gradients, K not a multiple of 16, a chunk size of 16 and harsh gates (beyond the
+    two-half range) never reach the fused pass."""
+    require("kda_fused")
+    ran = _spy_fused(monkeypatch)
+    inputs, s0 = _kda_case(1, 100, 2, 32, 32, "safe", True)
+    chunk_kda(*[x.clone().requires_grad_() for x in inputs], initial_state=s0)
+    chunk_kda(*inputs, initial_state=s0, chunk_size=16)
+    chunk_kda(*_kda_case(1, 100, 2, 24, 32, "safe", True)[0])
+    harsh = list(inputs)
+    harsh[3] = inputs[3] * 4
+    chunk_kda(*harsh)
+    assert ran == []
+    chunk_kda(*inputs, initial_state=s0)
+    assert len(ran) == 1 and ran[0] is not None
 
 
 def _blockwise_case(mask: str, ragged_offsets: list[int]):

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from k3.ops.kda import varlen
 from k3.ops.kda.decay import pick_sub_chunk
+from k3.ops.kda.fused import fused_fits, fused_forward
 from k3.ops.kda.halves import halves_fit, halves_local
 from k3.ops.kda.intra import local_backward, local_factors, local_solve
 from k3.ops.kda.prep import check_inputs, doc_lengths
@@ -58,7 +59,7 @@ def chunk_kda(
     x = [t.float() for t in (q, k, v, g, beta)]  # the L2 norm and scale run inside, per group of chunks
     if float(x[3].detach().min()) < MIN_LOG_DECAY:
         x[3] = x[3].clamp(min=MIN_LOG_DECAY)
-    h0 = None if initial_state is None else initial_state.float()
+    h0 = h0_heads = None if initial_state is None else initial_state.float()  # [B or N, H, K, V]
     if cu_seqlens is None:
         total = -(-T // C) * C
         if total != T:
@@ -74,11 +75,22 @@ def chunk_kda(
     chunks = [_to_chunks(t, C) for t in x]
     keep = torch.is_grad_enabled() and any(t.requires_grad for t in [*chunks, h0] if t is not None)
     scale = K**-0.5 if scale is None else float(scale)
-    group = max(1, GROUP_MATRICES // (B * H))
     halves = halves_fit(chunks[3], use_qk_l2norm, scale)
-    plan = _Plan(segments, pick_sub_chunk(chunks[3]), group, keep, scale, use_qk_l2norm, halves)
-    o, finals = _ChunkKDA.apply(*chunks, h0, plan)
-    o = o.unflatten(1, (-1, H)).permute(1, 0, 3, 2, 4).reshape(-1, total, H, o.shape[-1])  # [B, total, H, V]
+    fused = None
+    if halves and not keep and fused_fits(*x, C):  # (batch row, first token, chunks) per sequence
+        rows = (
+            [(b, 0, total // C) for b in range(B)]
+            if cu_seqlens is None
+            else [(0, a * C, e - a) for a, e in segments]
+        )
+        fused = fused_forward(*x, h0_heads, rows, C, scale)
+    if fused is not None:  # o [B, total, H, V]
+        o, finals = fused
+    else:
+        group = max(1, GROUP_MATRICES // (B * H))
+        plan = _Plan(segments, pick_sub_chunk(chunks[3]), group, keep, scale, use_qk_l2norm, halves)
+        o, finals = _ChunkKDA.apply(*chunks, h0, plan)
+        o = o.unflatten(1, (-1, H)).permute(1, 0, 3, 2, 4).reshape(-1, total, H, o.shape[-1])
     if cu_seqlens is None:
         o, final = o[:, :T], finals.view(B, H, *finals.shape[2:])
     else:
