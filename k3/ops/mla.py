@@ -334,38 +334,41 @@ def _native_softmax_step(q: torch.Tensor):
     return step
 
 
-# k3_mla_block_expanded(sgemm, q, lat, w_kvb, q_pos, B, H, T, s, s0, R, Dn, Dr, Dv, tile, m, l, acc, scratch)
-_BLOCK_ARGS = [native.PTR] * 5 + [native.I64] * 10 + [native.PTR] * 4
-NATIVE_QUERY_TILE = 128  # queries per tile: a [128, 512] score tile, the keys and values stay in L2
+# k3_mla_block_expanded(q, lat, w_kvbT, q_pos, B, H, T, s, s0, R, Dn, Dr, Dv, tile, m, l, acc, scratch)
+_BLOCK_ARGS = [native.PTR] * 4 + [native.I64] * 10 + [native.PTR] * 4
+NATIVE_QUERY_TILE = 128  # queries per tile: a [128, 256] score tile, one head's keys and values stay in L2
+NATIVE_SUB_BLOCK = 256  # keys per step inside the kernel (its SUB_BLOCK)
 
 
 def _native_expanded_block(q_nope, q_pe, w_uk, w_uv):
-    """(kernel, sgemm address) for the tiled native block step (`k3/ops/csrc/mla_stream.c`): fp32 CPU,
-    no autograd, not while torch.compile traces, the kernel built and torch's BLAS found; else None."""
-    fn = native.plain_function("mla_stream", "k3_mla_block_expanded", _BLOCK_ARGS, q_nope, q_pe, w_uk, w_uv)
-    sgemm = native.blas_sgemm() if fn is not None else None
-    return None if sgemm is None else (fn, sgemm)
+    """The tiled native block step (`k3/ops/csrc/mla_stream.c`) for fp32 CPU inputs without autograd,
+    outside torch.compile, with the kernel's tiling (Dn, Dr multiples of 8, Dv and Dn + Dv of 16); else
+    None."""
+    Dn, Dr, Dv = q_nope.shape[-1], q_pe.shape[-1], w_uv.shape[1]
+    if Dn % 8 or Dr % 8 or Dv % 16 or (Dn + Dv) % 16:
+        return None
+    return native.plain_function("mla_stream", "k3_mla_block_expanded", _BLOCK_ARGS, q_nope, q_pe, w_uk, w_uv)
 
 
-def _over_blocks_native(kernel, q_nope, q_pe, blocks, w_uk, w_uv, scale, q_pos):
+def _over_blocks_native(fn, q_nope, q_pe, blocks, w_uk, w_uv, scale, q_pos):
     """`mla_attention_over_blocks` with expand=True and no doc ids, each latent block in one native call
     that tiles queries so a tile's scores, keys and values stay in L2 (the torch path's [B*H, T, block]
     score block outgrows L2 for long chunks and every pass over it goes to L3)."""
-    fn, sgemm = kernel
     B, T, H, Dn = q_nope.shape
     Dr, Dv, R = q_pe.shape[-1], w_uv.shape[1], w_uk.shape[-1]
     q = (torch.cat([q_nope, q_pe], -1).transpose(1, 2) * scale).contiguous()  # [B, H, T, Dn+Dr]
-    w_kvb = torch.cat([w_uk, w_uv], 1).contiguous()  # [H, Dn+Dv, R]: kv_b_proj.weight's layout
+    w_kvbT = torch.cat([w_uk, w_uv], 1).reshape(-1, R).t().contiguous()  # [R, H (Dn+Dv)]: kv_b_proj.weight^T
     pos = None if q_pos is None else q_pos.to(torch.int64).expand(B, T).contiguous()
     m = torch.full((B, H, T), float("-inf"))
     l, acc = torch.zeros(B, H, T), torch.zeros(B, H, T, Dv)
     s0, dtype, scratch = 0, None, torch.empty(0)
     for lat in blocks:
         dtype, s, lat = lat.dtype, lat.shape[1], lat.float().contiguous()
-        need = s * (H * (Dn + Dv) + Dn + Dr + NATIVE_QUERY_TILE)
+        sp = -(-min(s, NATIVE_SUB_BLOCK) // 16) * 16  # keys per kernel step, padded to whole 16-key tiles
+        need = sp * (Dn + Dv + Dn + Dr + NATIVE_QUERY_TILE + R + Dr)
         if scratch.numel() < need:
             scratch = torch.empty(need)
-        fn(sgemm, q.data_ptr(), lat.data_ptr(), w_kvb.data_ptr(), None if pos is None else pos.data_ptr(),
+        fn(q.data_ptr(), lat.data_ptr(), w_kvbT.data_ptr(), None if pos is None else pos.data_ptr(),
            B, H, T, s, s0, R, Dn, Dr, Dv, NATIVE_QUERY_TILE, m.data_ptr(), l.data_ptr(), acc.data_ptr(),
            scratch.data_ptr())  # fmt: skip
         s0 += s

@@ -291,11 +291,11 @@ def test_fused_chunk_kda_leaves_autograd_and_odd_shapes_to_the_torch_path(monkey
     assert len(ran) == 1 and ran[0] is not None
 
 
-def _blockwise_case(mask: str, ragged_offsets: list[int]):
-    """2 rows of 37 queries over 300 keys, 3 heads (R 16, Dr 8, Dn 12, Dv 10): (qn, qp, c, kp, wuk, wuv)
+def _blockwise_case(mask: str, ragged_offsets: list[int], dims=(16, 8, 12, 10)):
+    """2 rows of 37 queries over 300 keys, 3 heads (R, Dr, Dn, Dv = dims): (qn, qp, c, kp, wuk, wuv)
     and mla_attention_blockwise's mask arguments for `mask` in causal / ragged / none."""
     g = torch.Generator().manual_seed(0)
-    B, T, S, H, R, Dr, Dn, Dv = 2, 37, 300, 3, 16, 8, 12, 10
+    (B, T, S, H), (R, Dr, Dn, Dv) = (2, 37, 300, 3), dims
     qn, qp = torch.randn(B, T, H, Dn, generator=g), torch.randn(B, T, H, Dr, generator=g)
     c, kp = torch.randn(B, S, R, generator=g), torch.randn(B, S, Dr, generator=g)
     wuk, wuv = torch.randn(H, Dn, R, generator=g) * 0.3, torch.randn(H, Dv, R, generator=g) * 0.3
@@ -332,32 +332,31 @@ def test_native_online_softmax_matches_the_torch_step(monkeypatch, expand, mask)
     torch.testing.assert_close(fast, _dense_attention(*case, kw), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("tile", [8, 128])
+@pytest.mark.parametrize("tile, block", [(8, 64), (128, 64), (8, 300)])
 @pytest.mark.parametrize("mask", ["causal", "ragged", "none"])
-def test_native_expanded_blocks_match_the_torch_path(monkeypatch, tile, mask):
+def test_native_expanded_blocks_match_the_torch_path(monkeypatch, tile, block, mask):
     """The tiled native block step of the expanded form (`k3/ops/csrc/mla_stream.c`: per-block key
-    expansion, per-head query tiles, tiles before the block skipped) == the torch path and the dense
+    expansion, per-head query tiles, tiles before the block skipped, the last block of 44 keys padded to
+    48; one block of 300 keys taken as the kernel's steps of 256 + 44) == the torch path and the dense
     naive attention; several tiles per head with tile 8 (row 1's last tile, keys 252..256, straddles the
     block from key 256), ragged rows, no mask, bf16 latents."""
     require("mla_stream")
-    if native.blas_sgemm() is None:
-        pytest.skip("torch exports no BLAS sgemm_ here: the kernel cannot run")
     import k3.ops.mla as mla_ops
 
     monkeypatch.setattr(mla_ops, "NATIVE_QUERY_TILE", tile)
     taken = []
     real = mla_ops._over_blocks_native
     monkeypatch.setattr(mla_ops, "_over_blocks_native", lambda *a: taken.append(1) or real(*a))
-    case, kw = _blockwise_case(mask, [5, 220])
+    case, kw = _blockwise_case(mask, [5, 220], dims=(24, 8, 16, 32))
     qn, qp, c, kp, wuk, wuv = case
     half_case = (qn, qp, c.bfloat16(), kp.bfloat16(), wuk, wuv)
     with torch.no_grad():
-        fast = mla_attention_blockwise(*case, 0.3, block_size=64, expand=True, **kw)
-        half = mla_attention_blockwise(*half_case, 0.3, block_size=64, expand=True, **kw)
+        fast = mla_attention_blockwise(*case, 0.3, block_size=block, expand=True, **kw)
+        half = mla_attention_blockwise(*half_case, 0.3, block_size=block, expand=True, **kw)
         assert taken == [1, 1] and half.dtype == torch.bfloat16
         monkeypatch.setattr(mla_ops, "_native_expanded_block", lambda *a: None)
-        ref = mla_attention_blockwise(*case, 0.3, block_size=64, expand=True, **kw)
-        ref_half = mla_attention_blockwise(*half_case, 0.3, block_size=64, expand=True, **kw)
+        ref = mla_attention_blockwise(*case, 0.3, block_size=block, expand=True, **kw)
+        ref_half = mla_attention_blockwise(*half_case, 0.3, block_size=block, expand=True, **kw)
     torch.testing.assert_close(fast, ref, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(half.float(), ref_half.float(), rtol=1e-2, atol=1e-2)
     torch.testing.assert_close(fast, _dense_attention(*case, kw), rtol=1e-5, atol=1e-5)

@@ -1,6 +1,6 @@
 /* The BLAS single-precision product the kernels run their matrix products through: the Fortran-ABI
  * `sgemm_` that torch itself links, passed in by address (k3.ops.native.blas_sgemm), so the products are
- * the kernels torch.mm runs. Used by moe_experts.c and mla_stream.c. */
+ * the kernels torch.mm runs. Used by moe_experts.c. */
 #ifndef K3_BLAS_H
 #define K3_BLAS_H
 

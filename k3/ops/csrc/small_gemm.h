@@ -1,9 +1,11 @@
 /* Row-major fp32 products of small matrices that sit in L1 / L2 (chunked KDA's 64 x 64 blocks), with a
  * register-blocked micro-kernel: 6 rows x 16 columns of C in 12 eight-lane accumulators, one broadcast of
  * A and two loads of B per 12 multiply-adds (the BLIS Haswell shape). On 64 x 64 x 64 it runs ~1.3x
- * faster than MKL's sgemm on the same data, which packs both operands first. Used by kda_fused.c.
+ * faster than MKL's sgemm on the same data, which packs both operands first.
  *
- * Every n must be a multiple of 16 (the callers check); any m and k.
+ * Every n must be a multiple of 16 (the callers check); any m and k. `gemm_nn_panels` is the same product
+ * for operands that outgrow L1 (kept in L2): it walks B in 64 x 64 panels (16 KB) that stay in L1 while
+ * every row block of A passes over them. Used by kda_fused.c and mla_stream.c.
  */
 #ifndef K3_SMALL_GEMM_H
 #define K3_SMALL_GEMM_H
@@ -66,6 +68,21 @@ static void gemm_nn_lower(int64_t m, int64_t n, const float *A, int64_t lda, con
     for (int64_t i = 0; i < m; i += 6) {
         const int R = m - i < 6 ? (int)(m - i) : 6;
         rows_x16(R, n, i + R, A + i * lda, lda, B, ldb, C + i * ldc, ldc, mode);
+    }
+}
+
+#define PANEL 64
+
+/* gemm_nn over 64 x 64 panels of B (k panels outermost: after the first one the tiles accumulate) */
+static void gemm_nn_panels(int64_t m, int64_t n, int64_t k, const float *A, int64_t lda, const float *B,
+                           int64_t ldb, float *C, int64_t ldc, int mode) {
+    for (int64_t p0 = 0; p0 < k; p0 += PANEL) {
+        const int64_t kb = k - p0 < PANEL ? k - p0 : PANEL;
+        const int step_mode = p0 == 0 || mode != 0 ? mode : 1;
+        for (int64_t j0 = 0; j0 < n; j0 += PANEL) {
+            const int64_t nb = n - j0 < PANEL ? n - j0 : PANEL;
+            gemm_nn(m, nb, kb, A + p0, lda, B + p0 * ldb + j0, ldb, C + j0, ldc, step_mode);
+        }
     }
 }
 
