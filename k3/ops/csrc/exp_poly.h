@@ -6,14 +6,14 @@
 #include <stdint.h>
 #include <string.h>
 
-/* The shared range reduction: x clamped to [-87, 88], x = n ln2 + r with |r| <= ln2 / 2; returns
+/* The shared range reduction for x already in [-87, 88]: x = n ln2 + r with |r| <= ln2 / 2; returns
  * exp(r) - 1 - r = r^2 P(r) (Cephes' degree-6 polynomial for exp(r) without its first two terms) and
- * sets *r and *two_n = 2^n. Written so that gcc vectorises it (with -fno-trapping-math): ternary clamps,
- * and n rounded to the nearest integer by adding and subtracting 1.5 * 2^23 instead of a call to floorf. */
-static inline float exp_reduced(float x, float *r_out, float *two_n) {
-    x = x < -87.0f ? -87.0f : x;
-    x = x > 88.0f ? 88.0f : x;
-    const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+ * sets *r and *two_n = 2^n. Written so that gcc vectorises it (with -fno-trapping-math): n is rounded to
+ * the nearest integer by adding and subtracting 1.5 * 2^23 instead of a call to floorf, and 2^n is built
+ * from that sum's bits (its low mantissa bits hold n + 2^22) rather than by converting n to an integer. */
+static inline float exp_reduced_in_range(float x, float *r_out, float *two_n) {
+    const float shifted = x * 1.44269504088896341f + 12582912.0f;
+    const float n = shifted - 12582912.0f;
     const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
     float p = 1.9875691500e-4f;
     p = p * r + 1.3981999507e-3f;
@@ -21,10 +21,19 @@ static inline float exp_reduced(float x, float *r_out, float *two_n) {
     p = p * r + 4.1665795894e-2f;
     p = p * r + 1.6666665459e-1f;
     p = p * r + 5.0000001201e-1f;
-    const int32_t bits = ((int32_t)n + 127) << 23;
+    int32_t bits;
+    memcpy(&bits, &shifted, sizeof bits);
+    bits = (bits - 0x4B400000 + 127) << 23;  /* 0x4B400000: the bits of 1.5 * 2^23 */
     memcpy(two_n, &bits, sizeof *two_n);
     *r_out = r;
     return p * r * r;
+}
+
+/* the same for any x: clamped to [-87, 88] first (ternary clamps, vectorisable) */
+static inline float exp_reduced(float x, float *r_out, float *two_n) {
+    x = x < -87.0f ? -87.0f : x;
+    x = x > 88.0f ? 88.0f : x;
+    return exp_reduced_in_range(x, r_out, two_n);
 }
 
 /* exp(x) and exp(x) - 1 for x in [-87, 88] (clamped outside) from one reduction, each as accurate as on
@@ -35,6 +44,14 @@ static inline float exp_reduced(float x, float *r_out, float *two_n) {
 static inline float exp_expm1_poly(float x, float *em1) {
     float r, two_n;
     const float q = exp_reduced(x, &r, &two_n);
+    *em1 = (q + r) * two_n + (two_n - 1.0f);
+    return (q + r + 1.0f) * two_n;
+}
+
+/* exp_expm1_poly for x <= 0 (clamped at -87 only: one compare and blend fewer per call) */
+static inline float exp_expm1_nonpositive(float x, float *em1) {
+    float r, two_n;
+    const float q = exp_reduced_in_range(x < -87.0f ? -87.0f : x, &r, &two_n);
     *em1 = (q + r) * two_n + (two_n - 1.0f);
     return (q + r + 1.0f) * two_n;
 }

@@ -4,21 +4,29 @@
 #define K3_SITU_H
 
 #include <stdint.h>
+#include <string.h>
 
 #include "exp_poly.h"
 
-static inline float sign_of(float x, float magnitude) { return x < 0.0f ? -magnitude : magnitude; }
-
 /* One element; `shared_exp` (b1 = 4) is a compile-time constant in each loop below, so neither
- * vectorised loop carries the other's branch. */
+ * vectorised loop carries the other's branch. Both exponentials' arguments are <= 0 (k1, k2 < 0), and the
+ * result's sign, sign(g) sign(u), is set with one xor of the sign bits. */
 static inline float situ_one(float g, float u, float k1, float k2, float scale, int shared_exp) {
-    const float ag = g < 0.0f ? -g : g, au = u < 0.0f ? -u : u;
-    float mg;
-    const float eg = exp_expm1_poly(k1 * ag, &mg), mu = expm1_poly(k2 * au);
+    const float ag = __builtin_fabsf(g), au = __builtin_fabsf(u);
+    float mg, mu;
+    const float eg = exp_expm1_nonpositive(k1 * ag, &mg);
+    (void)exp_expm1_nonpositive(k2 * au, &mu);
     const float s = shared_exp ? eg * eg : exp_poly(-ag);
     const float w = g < 0.0f ? s : 1.0f;
     const float v = (mg * mu * w * scale) / ((2.0f + mg) * (1.0f + s) * (2.0f + mu));
-    return sign_of(g, sign_of(u, v));
+    int32_t bg, bu, bv;
+    memcpy(&bg, &g, sizeof bg);
+    memcpy(&bu, &u, sizeof bu);
+    memcpy(&bv, &v, sizeof bv);
+    bv ^= (bg ^ bu) & (int32_t)0x80000000;
+    float out;
+    memcpy(&out, &bv, sizeof out);
+    return out;
 }
 
 /* out[i] = SiTU(gate[i], up[i]) for i < n; out may alias gate. */
