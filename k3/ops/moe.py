@@ -239,7 +239,7 @@ def experts_native(z, weights, indices, w1, w2, w3, act: GLUFn) -> torch.Tensor 
     token_of_slot = (order // k).contiguous()
     slot_weight = weights.reshape(-1)[order].float().contiguous()
     zc = z.contiguous()
-    scratch = z.new_empty(int(counts.max()) * (Dl + 2 * I))
+    scratch = z.new_empty(-(-int(counts.max()) // 16) * 16 * 2 * (Dl + I))  # the kernel's scratch contract
     out = torch.zeros(T, Dl, dtype=torch.float32)
     ptrs = [t.data_ptr() for t in (zc, token_of_slot, slot_weight, counts)]
     weights_ptrs = [t.data_ptr() for t in (w1, w3, w2)]

@@ -133,12 +133,15 @@ def _native_or_skip():
 
 @pytest.mark.parametrize("act", ["situ", "situ-b8", "silu"])
 @pytest.mark.parametrize(("T", "k", "skew"), [(1, 2, False), (5, 3, False), (64, 2, False), (33, 4, True)])
-def test_native_experts_match_naive(act, T, k, skew):
-    """One C call per layer (gather, SGEMMs, GLU, weighted scatter-add) == the reference, for SiTU with
-    the release betas and others, SwiGLU, decode, uneven loads and experts without tokens."""
+@pytest.mark.parametrize(("Dl", "I"), [(20, 24), (32, 48)])
+def test_native_experts_match_naive(act, T, k, skew, Dl, I):
+    """One C call per layer (gather, products, GLU, weighted scatter-add) == the reference, for SiTU with
+    the release betas and others, SwiGLU, decode, uneven loads and experts without tokens; with dims that
+    are multiples of 16, experts with >= 16 slots run transposed on the panel products (T = 64, and the
+    skewed loads), the others on sgemm, in the same call."""
     _native_or_skip()
     fn = {"situ": situ_glu, "situ-b8": glu_fn("situ", 8.0, 10.0), "silu": swiglu}[act]
-    z, weights, idx, w = _case(T, k, E=8, I=24, Dl=20, skew=skew)
+    z, weights, idx, w = _case(T, k, E=8, I=I, Dl=Dl, skew=skew)
     with torch.no_grad():
         got = experts_native(z, weights, idx, *w, fn)
         ref = experts_naive(z.double(), weights.double(), idx, *[t.double() for t in w], fn)

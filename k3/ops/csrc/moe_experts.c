@@ -4,43 +4,93 @@
  * Slots (token, choice) arrive sorted by expert: expert e owns slots [off_e, off_e + counts[e]). Per
  * expert with c > 0 slots:
  *   X [c, Dl]  = z[token_of_slot]                        gathered rows
- *   G [c, I]   = X w1_e^T,  U = X w3_e^T                 two SGEMMs
+ *   G [c, I]   = X w1_e^T,  U = X w3_e^T                 gate and up products
  *   G          = SiTU(G, U) (act 0; situ.h, the situ_glu.c element) or SiLU(G) U (act 1), in place
- *   Y [c, Dl]  = G w2_e^T                                 SGEMM
+ *   Y [c, Dl]  = G w2_e^T                                 down product
  *   out[token_of_slot[s]] += weight[s] * Y[s - off_e]     fp32, in slot order (as index_add_ would)
- * The matrix products go through the BLAS `sgemm_` the caller passes (the one torch itself links, so
- * the products are the same kernels torch.mm runs); w1, w3 [E, I, Dl] and w2 [E, Dl, I] are row-major
- * stacks, read in place. `scratch` holds max(c) * (Dl + 2 I) floats.
+ * An expert with at least 16 slots runs transposed, on small_gemm.h's products: with the tokens
+ * as columns (X^T [Dl, cp], cp = c rounded up to 16, the padding columns zero) every product reads a
+ * weight matrix as it is stored, row-major [out, in], as its left operand: G^T = w1_e X^T, U^T = w3_e
+ * X^T, Y^T = w2_e H^T, so nothing is packed and only the small X and Y are transposed (transpose8.h);
+ * each weight row block is read whole while the next is prefetched (`gemm_nn_stream`).
+ * Fewer slots (decode, small batches) go through the BLAS `sgemm_` the caller passes (the one torch
+ * itself links), which handles narrow products without padding. w1, w3 [E, I, Dl] and w2 [E, Dl, I] are
+ * row-major stacks, read in place; Dl and I must be multiples of 16 for the transposed path (else every
+ * expert takes sgemm). `scratch` holds round_up(max(c), 16) * 2 * (Dl + I) floats.
  */
 #include <stdint.h>
 #include <string.h>
 
 #include "blas.h"
 #include "situ.h"
+#include "small_gemm.h"
+#include "transpose8.h"
+
+#define MIN_TRANSPOSED 16 /* slots from which an expert runs transposed on small_gemm.h's products */
+
+static void glu_in_place(float *g, const float *u, int64_t n, int64_t act, float beta1, float beta2) {
+    if (act == 0)
+        situ_rows(g, u, g, n, beta1, beta2);
+    else
+        for (int64_t i = 0; i < n; i++) g[i] = g[i] * sigmoid_poly(g[i]) * u[i];
+}
+
+/* out[tok[r]] += weight[r] * y[r] for r < c (y rows Dl floats apart) */
+static void scatter_add(float *out, const int64_t *tok, const float *weight, const float *y, int64_t c, int64_t Dl) {
+    for (int64_t r = 0; r < c; r++) {
+        float *restrict dst = out + tok[r] * Dl;
+        const float *restrict yr = y + r * Dl;
+        const float p = weight[r];
+        for (int64_t d = 0; d < Dl; d++) dst[d] += p * yr[d];
+    }
+}
+
+/* one expert on BLAS products, rows as they come (any c) */
+static void expert_rows(sgemm_fn sgemm, const float *z, const int64_t *tok, const float *weight, int64_t c,
+                        int64_t Dl, int64_t I, const float *w1, const float *w3, const float *w2, float *scratch,
+                        float *out, int64_t act, float beta1, float beta2) {
+    float *x = scratch, *g = x + c * Dl, *u = g + c * I;
+    for (int64_t r = 0; r < c; r++) memcpy(x + r * Dl, z + tok[r] * Dl, (size_t)Dl * sizeof(float));
+    gemm_abt(sgemm, x, (int)Dl, w1, (int)Dl, g, (int)I, (int)c, (int)I, (int)Dl, 0.0f);
+    gemm_abt(sgemm, x, (int)Dl, w3, (int)Dl, u, (int)I, (int)c, (int)I, (int)Dl, 0.0f);
+    glu_in_place(g, u, c * I, act, beta1, beta2);
+    gemm_abt(sgemm, g, (int)I, w2, (int)I, x, (int)Dl, (int)c, (int)Dl, (int)I, 0.0f); /* Y over X */
+    scatter_add(out, tok, weight, x, c, Dl);
+}
+
+/* one expert transposed (tokens as columns) on small_gemm.h's products; c >= MIN_TRANSPOSED */
+static void expert_columns(const float *z, const int64_t *tok, const float *weight, int64_t c, int64_t Dl,
+                           int64_t I, const float *w1, const float *w3, const float *w2, float *scratch, float *out,
+                           int64_t act, float beta1, float beta2) {
+    const int64_t cp = (c + 15) / 16 * 16;
+    float *x = scratch, *xT = x + cp * Dl, *gT = xT + cp * Dl, *uT = gT + cp * I;
+    for (int64_t r = 0; r < c; r++) memcpy(x + r * Dl, z + tok[r] * Dl, (size_t)Dl * sizeof(float));
+    memset(x + c * Dl, 0, sizeof(float) * (size_t)((cp - c) * Dl)); /* padding columns: never read back; zeros
+                                                                       * keep NaN or denormal garbage out */
+    for (int64_t r = 0; r < cp; r += 8)
+        for (int64_t d = 0; d < Dl; d += 8) transpose8(x + r * Dl + d, Dl, xT + d * cp + r, cp);
+    gemm_nn_stream(I, cp, Dl, w1, Dl, xT, cp, gT, cp, 0);
+    gemm_nn_stream(I, cp, Dl, w3, Dl, xT, cp, uT, cp, 0);
+    glu_in_place(gT, uT, I * cp, act, beta1, beta2);
+    gemm_nn_stream(Dl, cp, I, w2, I, gT, cp, xT, cp, 0); /* Y^T over X^T */
+    for (int64_t d = 0; d < Dl; d += 8)
+        for (int64_t r = 0; r < cp; r += 8) transpose8(xT + d * cp + r, cp, x + r * Dl + d, Dl);
+    scatter_add(out, tok, weight, x, c, Dl);
+}
 
 void k3_experts_situ(void *sgemm_ptr, const float *z, const int64_t *token_of_slot, const float *weight,
                      const int64_t *counts, int64_t E, int64_t Dl, int64_t I, const float *w1, const float *w3,
                      const float *w2, float *scratch, float *out, int64_t act, float beta1, float beta2) {
-    sgemm_fn sgemm = (sgemm_fn)sgemm_ptr;
+    const int transposed_fits = Dl % 16 == 0 && I % 16 == 0;
     int64_t off = 0;
     for (int64_t e = 0; e < E; off += counts[e], e++) {
         const int64_t c = counts[e];
-        if (c == 0) continue;
-        float *x = scratch, *g = x + c * Dl, *u = g + c * I;
-        const int64_t *tok = token_of_slot + off;
-        for (int64_t r = 0; r < c; r++) memcpy(x + r * Dl, z + tok[r] * Dl, (size_t)Dl * sizeof(float));
-        gemm_abt(sgemm, x, (int)Dl, w1 + e * I * Dl, (int)Dl, g, (int)I, (int)c, (int)I, (int)Dl, 0.0f);
-        gemm_abt(sgemm, x, (int)Dl, w3 + e * I * Dl, (int)Dl, u, (int)I, (int)c, (int)I, (int)Dl, 0.0f);
-        if (act == 0)
-            situ_rows(g, u, g, c * I, beta1, beta2);
-        else
-            for (int64_t i = 0; i < c * I; i++) g[i] = g[i] * sigmoid_poly(g[i]) * u[i];
-        gemm_abt(sgemm, g, (int)I, w2 + e * Dl * I, (int)I, x, (int)Dl, (int)c, (int)Dl, (int)I, 0.0f);  /* Y over X */
-        for (int64_t r = 0; r < c; r++) {
-            float *restrict dst = out + tok[r] * Dl;
-            const float *restrict y = x + r * Dl;
-            const float p = weight[off + r];
-            for (int64_t d = 0; d < Dl; d++) dst[d] += p * y[d];
-        }
+        const float *w1e = w1 + e * I * Dl, *w3e = w3 + e * I * Dl, *w2e = w2 + e * Dl * I;
+        if (c >= MIN_TRANSPOSED && transposed_fits)
+            expert_columns(z, token_of_slot + off, weight + off, c, Dl, I, w1e, w3e, w2e, scratch, out, act, beta1,
+                           beta2);
+        else if (c > 0)
+            expert_rows((sgemm_fn)sgemm_ptr, z, token_of_slot + off, weight + off, c, Dl, I, w1e, w3e, w2e, scratch,
+                        out, act, beta1, beta2);
     }
 }

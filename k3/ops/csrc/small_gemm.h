@@ -5,7 +5,8 @@
  *
  * Every n must be a multiple of 16 (the callers check); any m and k. `gemm_nn_panels` is the same product
  * for operands that outgrow L1 (kept in L2): it walks B in 64 x 64 panels (16 KB) that stay in L1 while
- * every row block of A passes over them. Used by kda_fused.c and mla_stream.c.
+ * every row block of A passes over them; `gemm_nn_stream` is for an A read from memory once (the
+ * routed experts' weights). Used by kda_fused.c, mla_stream.c and moe_experts.c.
  */
 #ifndef K3_SMALL_GEMM_H
 #define K3_SMALL_GEMM_H
@@ -38,7 +39,7 @@ static inline __attribute__((always_inline)) void tile_rx16(int R, int64_t k, co
 }
 
 /* rows [i, i + R) of C, all n columns; R in 1..6 */
-static void rows_x16(int R, int64_t n, int64_t k, const float *A, int64_t lda, const float *B, int64_t ldb,
+static inline void rows_x16(int R, int64_t n, int64_t k, const float *A, int64_t lda, const float *B, int64_t ldb,
                      float *C, int64_t ldc, int mode) {
     for (int64_t j = 0; j < n; j += 16) {
         switch (R) {
@@ -53,7 +54,7 @@ static void rows_x16(int R, int64_t n, int64_t k, const float *A, int64_t lda, c
 }
 
 /* C[m x n] (=, +=, -=) A[m x k] B[k x n] */
-static void gemm_nn(int64_t m, int64_t n, int64_t k, const float *A, int64_t lda, const float *B, int64_t ldb,
+static inline void gemm_nn(int64_t m, int64_t n, int64_t k, const float *A, int64_t lda, const float *B, int64_t ldb,
                     float *C, int64_t ldc, int mode) {
     for (int64_t i = 0; i < m; i += 6) {
         const int R = m - i < 6 ? (int)(m - i) : 6;
@@ -63,7 +64,7 @@ static void gemm_nn(int64_t m, int64_t n, int64_t k, const float *A, int64_t lda
 
 /* The same with A lower triangular (A[i][j] = 0 for j > i, stored as zeros): rows [i, i + R) read only
  * the first i + R columns of A and rows of B. */
-static void gemm_nn_lower(int64_t m, int64_t n, const float *A, int64_t lda, const float *B, int64_t ldb,
+static inline void gemm_nn_lower(int64_t m, int64_t n, const float *A, int64_t lda, const float *B, int64_t ldb,
                           float *C, int64_t ldc, int mode) {
     for (int64_t i = 0; i < m; i += 6) {
         const int R = m - i < 6 ? (int)(m - i) : 6;
@@ -71,10 +72,22 @@ static void gemm_nn_lower(int64_t m, int64_t n, const float *A, int64_t lda, con
     }
 }
 
+/* gemm_nn for an A streamed from memory (a weight matrix read once): each row block is read whole,
+ * row after row, while the next one is prefetched; B (the small operand) stays in L1 / L2 */
+static inline void gemm_nn_stream(int64_t m, int64_t n, int64_t k, const float *A, int64_t lda, const float *B,
+                                  int64_t ldb, float *C, int64_t ldc, int mode) {
+    for (int64_t i = 0; i < m; i += 6) {
+        const int R = m - i < 6 ? (int)(m - i) : 6;
+        for (int64_t r = i + 6; r < i + 12 && r < m; r++)
+            for (int64_t p = 0; p < k; p += 16) __builtin_prefetch(A + r * lda + p, 0, 3);
+        rows_x16(R, n, k, A + i * lda, lda, B, ldb, C + i * ldc, ldc, mode);
+    }
+}
+
 #define PANEL 64
 
 /* gemm_nn over 64 x 64 panels of B (k panels outermost: after the first one the tiles accumulate) */
-static void gemm_nn_panels(int64_t m, int64_t n, int64_t k, const float *A, int64_t lda, const float *B,
+static inline void gemm_nn_panels(int64_t m, int64_t n, int64_t k, const float *A, int64_t lda, const float *B,
                            int64_t ldb, float *C, int64_t ldc, int mode) {
     for (int64_t p0 = 0; p0 < k; p0 += PANEL) {
         const int64_t kb = k - p0 < PANEL ? k - p0 : PANEL;
