@@ -56,6 +56,12 @@ static inline float exp_expm1_nonpositive(float x, float *em1) {
     return (q + r + 1.0f) * two_n;
 }
 
+/* exp(x) for x <= 0 (clamped at -87 only) */
+static inline float exp_nonpositive(float x) {
+    float unused;
+    return exp_expm1_nonpositive(x, &unused);
+}
+
 static inline float exp_poly(float x) {
     float unused;
     return exp_expm1_poly(x, &unused);
