@@ -42,29 +42,34 @@ typedef struct {
     float *gin, *vec, *rq, *rk, *qg, *kc, *kd, *c0T, *c1T, *kdT, *X, *Aq, *Ak;
 } scratch;
 
-static float *carve(float **next, int64_t n) {
-    float *p = *next;
-    *next += (n + 15) & ~(int64_t)15; /* keep every buffer 64-byte aligned */
-    return p;
+#define N_BUFFERS 13
+
+/* the scratch buffers' sizes in floats, in the order of `scratch`'s fields */
+static void buffer_sizes(int64_t C, int64_t K, int64_t V, int64_t n[N_BUFFERS]) {
+    const int64_t CK = C * K, sizes[N_BUFFERS] = {CK, 5 * K, CK, CK, CK, CK, CK, K * C / 2, K * C, K * C,
+                                                   C * (V + K), C * C, C * C};
+    memcpy(n, sizes, sizeof sizes);
 }
+
+static int64_t round16(int64_t n) { return (n + 15) & ~(int64_t)15; } /* keeps every buffer 64-byte aligned */
 
 /* floats of scratch one caller (thread) passes in, 64-byte aligned */
-static int64_t scratch_floats(int64_t C, int64_t K, int64_t V) {
-    const int64_t sizes[13] = {C * K, 5 * K, C * K, C * K, C * K, C * K, C * K, K * C / 2, K * C, K * C,
-                               C * (V + K), C * C, C * C};
-    int64_t n = 0;
-    for (int i = 0; i < 13; i++) n += (sizes[i] + 15) & ~(int64_t)15;
-    return n;
+void k3_kda_fused_scratch(int64_t C, int64_t K, int64_t V, int64_t *floats) {
+    int64_t n[N_BUFFERS], total = 0;
+    buffer_sizes(C, K, V, n);
+    for (int i = 0; i < N_BUFFERS; i++) total += round16(n[i]);
+    *floats = total;
 }
 
-void k3_kda_fused_scratch(int64_t C, int64_t K, int64_t V, int64_t *floats) { *floats = scratch_floats(C, K, V); }
-
 static void scratch_carve(scratch *s, float *next, int64_t C, int64_t K, int64_t V) {
-    const int64_t CK = C * K;
-    s->gin = carve(&next, CK), s->vec = carve(&next, 5 * K), s->rq = carve(&next, CK), s->rk = carve(&next, CK);
-    s->qg = carve(&next, CK), s->kc = carve(&next, CK), s->kd = carve(&next, CK), s->c0T = carve(&next, K * C / 2);
-    s->c1T = carve(&next, K * C), s->kdT = carve(&next, K * C), s->X = carve(&next, C * (V + K));
-    s->Aq = carve(&next, C * C), s->Ak = carve(&next, C * C);
+    float **fields[N_BUFFERS] = {&s->gin, &s->vec, &s->rq, &s->rk, &s->qg, &s->kc, &s->kd,
+                                 &s->c0T, &s->c1T, &s->kdT, &s->X, &s->Aq, &s->Ak};
+    int64_t n[N_BUFFERS];
+    buffer_sizes(C, K, V, n);
+    for (int i = 0; i < N_BUFFERS; i++) {
+        *fields[i] = next;
+        next += round16(n[i]);
+    }
 }
 
 /* dst [cols][rows] (ld ldd) = src [rows][cols] (ld lds) transposed; rows, cols multiples of 8 */
