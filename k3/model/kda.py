@@ -90,12 +90,20 @@ class GatedRMSNorm(nn.Module):
 
 def _history_at(pre: torch.Tensor, hist: torch.Tensor | None, capture: list[int], final: torch.Tensor):
     """The conv state after the first p_b tokens of each row: the last W-1 pre-conv inputs before p_b
-    (history included), [B, C, W-1] like `final` (the state after all T, kept for rows without one)."""
+    (history included), [B, C, W-1] like `final` (the state after all T, kept for rows without one).
+    Reads only those W-1 columns (the history's tail when p_b < W-1), not the whole row."""
     W1 = final.shape[-1]
-    B, _, C = pre.shape
-    hist = hist.to(pre.dtype) if hist is not None else pre.new_zeros(B, C, W1)
-    seq = torch.cat([hist, pre.transpose(1, 2)], -1)  # [B, C, W-1+T]: position j of the row at W-1+j
-    return torch.stack([seq[r, :, p : p + W1] if p > 0 else final[r] for r, p in enumerate(capture)])
+    states = []
+    for r, p in enumerate(capture):
+        if p <= 0:
+            states.append(final[r])
+            continue
+        state = pre[r, max(0, p - W1) : p].transpose(0, 1)  # [C, min(p, W-1)]
+        if p < W1:  # the first tokens: the rest from the history (zeros without one)
+            h = hist[r].to(pre.dtype) if hist is not None else pre.new_zeros(pre.shape[-1], W1)
+            state = torch.cat([h[:, p:], state], -1)
+        states.append(state)
+    return torch.stack(states)
 
 
 def _split_recurrence(heads, initial: torch.Tensor | None, capture: list[int]):

@@ -94,26 +94,36 @@ def test_chunked_prefill_equals_one_pass():
     assert_close("chunked prefill", full, torch.cat(parts, 1), 1e-5)
 
 
-def test_capture_gives_the_state_after_p_tokens_per_row():
+@pytest.mark.parametrize(
+    "capture, primed",
+    [([70, -1, 140], True), ([2, 1, -1], True), ([1, -1, 2], False)],
+    ids=["chunked-then-recurrent", "inside-the-conv-history", "no-history"],
+)
+def test_capture_gives_the_state_after_p_tokens_per_row(capture, primed):
     """capture_at [B]: each row's `captured` state equals a forward over its first p tokens alone, rows
     without one hold their final state there, and the outputs and final states match the call without
-    a capture."""
+    a capture. Row 2 of the first case runs the chunked kernel, then the recurrence for its last 10
+    tokens; captures before W-1 tokens take part of their conv state from the earlier history (or the
+    zeros of a fresh state)."""
     fields = ("conv_q", "conv_k", "conv_v", "recurrent")
     layer = build()
     B, T = 3, 150
     x, hist = inputs(B, T), inputs(B, 7, seed=2)
-    capture = [70, -1, 140]  # row 2: chunked kernel, then the recurrence for its last 10 tokens
     with torch.no_grad():
         start = KDAState()
-        layer(hist, state=start)
+        if primed:
+            layer(hist, state=start)
         state, plain = dataclasses.replace(start, capture_at=capture), dataclasses.replace(start)
         assert_close("output", layer(x, state=plain), layer(x, state=state), 1e-5)
         assert state.capture_at is None  # one call only
         for f in fields:
             assert_close(f, getattr(plain, f), getattr(state, f), 1e-5)
-            assert torch.equal(getattr(state.captured, f)[1], getattr(state, f)[1])  # no capture: final
-        for b in (0, 2):
-            alone = KDAState(*(getattr(start, f)[b : b + 1] for f in fields))
+            row = capture.index(-1)
+            assert torch.equal(getattr(state.captured, f)[row], getattr(state, f)[row])  # no capture: final
+        for b in (r for r in range(B) if capture[r] > 0):
+            alone = KDAState(
+                *(None if getattr(start, f) is None else getattr(start, f)[b : b + 1] for f in fields)
+            )
             layer(x[b : b + 1, : capture[b]], state=alone)
             for f in fields:
                 assert_close(f"row {b} {f}", getattr(alone, f)[0], getattr(state.captured, f)[b], 1e-6)
