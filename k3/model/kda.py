@@ -33,7 +33,7 @@ from torch import nn
 from k3.config import K3Config
 from k3.model.layers import Linear
 from k3.model.state import KDAState
-from k3.ops.conv import causal_conv1d, causal_conv1d_update
+from k3.ops.conv import causal_conv1d, causal_conv1d_update, conv_state_after
 from k3.ops.gate import kda_gate
 from k3.ops.gated_norm import gated_rms_norm
 from k3.ops.kda import chunk_kda, recurrent_kda
@@ -90,20 +90,16 @@ class GatedRMSNorm(nn.Module):
 
 def _history_at(pre: torch.Tensor, hist: torch.Tensor | None, capture: list[int], final: torch.Tensor):
     """The conv state after the first p_b tokens of each row: the last W-1 pre-conv inputs before p_b
-    (history included), [B, C, W-1] like `final` (the state after all T, kept for rows without one).
-    Reads only those W-1 columns (the history's tail when p_b < W-1), not the whole row."""
-    W1 = final.shape[-1]
-    states = []
-    for r, p in enumerate(capture):
-        if p <= 0:
-            states.append(final[r])
-            continue
-        state = pre[r, max(0, p - W1) : p].transpose(0, 1)  # [C, min(p, W-1)]
-        if p < W1:  # the first tokens: the rest from the history (zeros without one)
-            h = hist[r].to(pre.dtype) if hist is not None else pre.new_zeros(pre.shape[-1], W1)
-            state = torch.cat([h[:, p:], state], -1)
-        states.append(state)
-    return torch.stack(states)
+    (history included), [B, C, W-1] like `final` (the state after all T, kept for rows without one)."""
+    W = final.shape[-1] + 1
+    return torch.stack(
+        [
+            conv_state_after(pre[r : r + 1], None if hist is None else hist[r : r + 1], p, W)[0]
+            if p > 0
+            else final[r]
+            for r, p in enumerate(capture)
+        ]
+    )
 
 
 def _split_recurrence(heads, initial: torch.Tensor | None, capture: list[int]):

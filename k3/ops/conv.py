@@ -51,6 +51,17 @@ def _history(initial_state: torch.Tensor | None, n: int, u: torch.Tensor, W: int
     return initial_state.to(u.dtype)
 
 
+def conv_state_after(u: torch.Tensor, history: torch.Tensor | None, p: int, W: int) -> torch.Tensor:
+    """The conv state after the first p tokens (0 < p <= T) of u [B, T, C] that followed `history`
+    [B, C, W-1] (None: zeros): the last W-1 pre-conv inputs, [B, C, W-1]. Reads only those columns (the
+    history's tail when p < W-1)."""
+    tail = u[:, max(0, p - (W - 1)) : p].transpose(1, 2)
+    if p >= W - 1:
+        return tail
+    h = history.to(u.dtype) if history is not None else u.new_zeros(u.shape[0], u.shape[2], W - 1)
+    return torch.cat([h[..., p:], tail], -1)
+
+
 def _conv_silu(x_BCL: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     """Valid (unpadded) depthwise conv over x [B, C, L] -> SiLU -> [B, L-W+1, C] in out_dtype."""
     y = F.conv1d(x_BCL.float(), weight.float(), groups=weight.shape[0])
@@ -121,11 +132,7 @@ def _conv_silu_native(u: torch.Tensor, weight: torch.Tensor, initial_state: torc
     hc = None if hist is None else hist.contiguous()
     y = torch.empty_like(uc)
     fn(uc.data_ptr(), None if hc is None else hc.data_ptr(), w.data_ptr(), y.data_ptr(), B, T, C, W)
-    # the final state: the last W-1 pre-conv inputs of history + u
-    tail = uc[:, max(0, T - (W - 1)) :].transpose(1, 2)
-    if T < W - 1:
-        tail = torch.cat([(hc if hc is not None else u.new_zeros(B, C, W - 1))[..., T:], tail], -1)
-    return y, tail
+    return y, conv_state_after(uc, hc, T, W)  # the final state
 
 
 def causal_conv1d_update(
