@@ -222,7 +222,8 @@ def experts_native(z, weights, indices, w1, w2, w3, act: GLUFn) -> torch.Tensor 
 
     The slots are sorted by expert as in `experts_grouped`; then one C call (`k3/ops/csrc/moe_experts.c`)
     runs every active expert from gather to weighted scatter-add: its rows gathered, gate and up products,
-    the GLU in place, the down product and the fp32 accumulation, with the products in torch's own BLAS
+    the GLU in place, the down product and the fp32 accumulation; an expert with >= 16 slots runs its
+    products transposed on the kernel's own small-matrix routine, fewer slots on torch's own BLAS
     `sgemm_`. Saves the per-expert torch dispatch and the [T·k, I] round trips through memory."""
     _check_experts(z, weights, indices, w1, w2, w3)
     found = _experts_kernel(z, weights, w1, w2, w3, act)

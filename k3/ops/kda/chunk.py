@@ -72,10 +72,10 @@ def chunk_kda(
         index = varlen.token_index(lengths, starts, q.device)
         x = [varlen.scatter_tokens(t[0], index, total)[None] for t in x]
         segments = tuple((s // C, -(-(s + n) // C)) for s, n in zip(starts, lengths, strict=True))
-    chunks = [_to_chunks(t, C) for t in x]
-    keep = torch.is_grad_enabled() and any(t.requires_grad for t in [*chunks, h0] if t is not None)
+    keep = torch.is_grad_enabled() and any(t.requires_grad for t in [*x, h0] if t is not None)
     scale = K**-0.5 if scale is None else float(scale)
-    halves = halves_fit(chunks[3], use_qk_l2norm, scale)
+    g_chunks = _to_chunks(x[3], C)  # (the other inputs are chunked only for the torch path: copies at B > 1)
+    halves = halves_fit(g_chunks, use_qk_l2norm, scale)
     fused = None
     if halves and not keep and fused_fits(*x, C):  # (batch row, first token, chunks) per sequence
         rows = (
@@ -87,8 +87,9 @@ def chunk_kda(
     if fused is not None:  # o [B, total, H, V]
         o, finals = fused
     else:
+        chunks = [g_chunks if i == 3 else _to_chunks(t, C) for i, t in enumerate(x)]
         group = max(1, GROUP_MATRICES // (B * H))
-        plan = _Plan(segments, pick_sub_chunk(chunks[3]), group, keep, scale, use_qk_l2norm, halves)
+        plan = _Plan(segments, pick_sub_chunk(g_chunks), group, keep, scale, use_qk_l2norm, halves)
         o, finals = _ChunkKDA.apply(*chunks, h0, plan)
         o = o.unflatten(1, (-1, H)).permute(1, 0, 3, 2, 4).reshape(-1, total, H, o.shape[-1])
     if cu_seqlens is None:
