@@ -1,7 +1,7 @@
 """Benchmark k3's chunk_kda against the torch fallback of HF transformers' Kimi Linear KDA (CPU, fp32).
 
     python bench/kda.py                      # B=1, T=4096, H=4, K=V=64, C=64
-    python bench/kda.py --md docs/bench_kda.md
+    python bench/kda.py --md kda.md
     python bench/kda.py --json out.json      # the numbers, machine-readable (for `k3 bench`)
 
 Reports forward (no grad) and forward+backward wall times (best and median of N), the speedup over

@@ -1,4 +1,4 @@
-"""Long-context prefill: peak memory and time vs the analytic memory curve (issue 8).
+"""Long-context prefill: peak memory and time vs the analytic memory curve.
 
 Each (preset, prompt length L) runs in a fresh subprocess: build the random-init model and a random
 prompt, reset the kernel's peak-RSS counter (`/proc/self/clear_refs` <- 5), then build an engine sized

@@ -1,4 +1,4 @@
-"""Measurements of docs/quantization.md (issue 5): the QAT branch of a high-precision run, and the engine's
+"""Measurements of docs/quantization.md: the QAT branch of a high-precision run, and the engine's
 resident memory with packed vs dequantized MXFP4 experts.
 
     python bench/quant.py qat-branch HP_RUN/checkpoints/step-N OUT N

@@ -253,7 +253,7 @@ def format_plan(p: Plan, min_gpus: int | None = None) -> str:
 
 def add_arguments(parser) -> None:
     parser.description = (
-        "Per-GPU memory for training and serving a K3 configuration (formulas: docs/plan.md)."
+        "Per-GPU memory for training and serving a K3 configuration (formulas: docs/distributed.md)."
     )
     parser.add_argument("config", metavar="PRESET_OR_CONFIG_JSON")
     parser.add_argument("--gpus", type=int, required=True)

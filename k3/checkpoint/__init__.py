@@ -2,7 +2,7 @@
 
 `adapter` holds the pure name/layout conversion (`to_official`, `from_official`); `io` reads and writes
 checkpoint directories (config.json + safetensors shards, atomically, never via pickle). See
-docs/checkpoints.md.
+docs/interop.md.
 """
 
 from k3.checkpoint.adapter import from_official, is_f32_tensor, split_multimodal, to_official

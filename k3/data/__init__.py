@@ -7,7 +7,7 @@
     batch = next(loader)                                     # input_ids, labels, cu_seqlens, doc_ids
 
 It trains (or loads the cached) tokenizer on the training split and tokenizes both splits once; all of it
-is cached under ``$K3_CACHE_DIR/tokenizers/<corpus fingerprint>-<vocab_size>/`` (see docs/data.md).
+is cached under ``$K3_CACHE_DIR/tokenizers/<corpus fingerprint>-<vocab_size>/`` (see docs/training.md).
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ character that follows a newline -- a boundary no pre-token of the K3 pattern cr
 tokenizing the whole text at once -- and the engine, sized for exactly this one sequence, prefills it in
 chunks of `--chunk` tokens: KDA state passes from chunk to chunk, MLA attends over the paged latent
 cache block by block (k3.model.mla), so memory is the weights + the MLA latent cache + one chunk's
-activations (docs/serving.md, "Long context"). Progress goes to stderr, the completion to stdout.
+activations (docs/long_context.md). Progress goes to stderr, the completion to stdout.
 `--ids` reads whitespace-separated token ids instead of text (no tokenizer needed).
 """
 

@@ -15,7 +15,7 @@ them to and from the per-expert `experts.{e}.w1.weight` tensors.
 The router bias `gate.e_score_correction_bias` is an F32 checkpoint buffer that receives no gradient.
 In training mode the router records each forward's scores and load; `update_bias()` (once per optimizer
 step, after all micro-batches) turns that record into the next bias: Quantile Balancing by default,
-DeepSeek-V3's sign update with `bias_update="sign"`. See docs/moe.md.
+DeepSeek-V3's sign update with `bias_update="sign"`. See docs/architecture.md.
 """
 
 import torch

@@ -1,4 +1,4 @@
-"""Inference with MXFP4 routed experts kept packed in memory (issue 5; SPEC §2.6).
+"""Inference with MXFP4 routed experts kept packed in memory (SPEC §2.6).
 
 `PackedRoutedExperts` replaces a `RoutedExperts` for serving. It holds each stacked expert weight as the
 release stores it, uint8 codes (two FP4 nibbles per byte) and uint8 E8M0 scales (one per 32 weights along

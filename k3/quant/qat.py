@@ -1,4 +1,4 @@
-"""Quantization-aware training of the routed experts by module swap (issue 5; SPEC §2.6, §4.4).
+"""Quantization-aware training of the routed experts by module swap (SPEC §2.6, §4.4).
 
 K3 was trained from SFT on with MXFP4 routed-expert weights and MXFP8 activations, so that the MXFP4
 release loses nothing. `convert_qat(model)` replaces every `RoutedExperts` with a `QATRoutedExperts`

@@ -1,4 +1,4 @@
-"""Training K3 models: the K3 recipe end to end (issue 3).
+"""Training K3 models: the K3 recipe end to end.
 
 * ``config``        TrainConfig + recipe functions (the `k3 train` demo, K3 / K2 recipes, a nano smoke run)
 * ``param_groups``  Per-Head Muon vs AdamW routing (SPEC §4.2) with a coverage check

@@ -54,7 +54,7 @@ from k3.train.step import MaxLogitMonitor, train_step
 
 
 def _qat_mx(model: torch.nn.Module, config: K3Config) -> torch.nn.Module:
-    from k3.quant.qat import convert_qat  # MXFP4 experts / MXFP8 activations, fake-quantized (issue 5)
+    from k3.quant.qat import convert_qat  # MXFP4 experts / MXFP8 activations, fake-quantized
 
     return convert_qat(model, "mx", enabled=False)  # switched on by maybe_enable_qat at qat_from_step
 

@@ -165,7 +165,7 @@ def test_quantile_balance_integer_q_exact():
     tau = mu.sort(0, descending=True).values[256]  # the (q+1)-th largest margin per expert
     torch.testing.assert_close(new, -tau + tau.mean())
     assert abs(new.mean().item()) < 1e-6
-    # at most q margins exceed -b̂_j, exactly q unless margins tie at the (q+1)-th (see docs/moe.md)
+    # at most q margins exceed -b̂_j, exactly q unless margins tie at the (q+1)-th (see docs/architecture.md)
     above, at_or_above = (mu > tau).sum(0), (mu >= tau).sum(0)
     assert (above <= 256).all() and (at_or_above >= 257).all() and (above == 256).sum() >= 8
 

@@ -1,4 +1,4 @@
-"""Multi-process (2 CPU processes, gloo, torchrun) check of expert parallelism (issue 6 "done means"):
+"""Multi-process (2 CPU processes, gloo, torchrun) check of expert parallelism:
 dispatch + combine on 2 ranks equals the single-process result exactly (nothing dropped; bitwise for
 row-wise experts, GEMM rounding only for the GLU experts).
 

@@ -1,5 +1,5 @@
 """`k3 train --nproc 2 --ep 2` (2 CPU processes, gloo, torchrun) on a tiny generated corpus: the real
-Trainer, data pipeline, eval, schedule and QK-Clip, distributed by k3.parallel (issue 6).
+Trainer, data pipeline, eval, schedule and QK-Clip, distributed by k3.parallel.
 
 One 2-process run (4 steps, DCP checkpoints at steps 2 and 4) against
 * the plain 1-process `k3 train` of the same global batch: losses and val losses within 1e-4. The

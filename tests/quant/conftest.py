@@ -17,7 +17,7 @@ def _one_thread():  # tiny ops: threads only contend
 
 @pytest.fixture(autouse=True)
 def _k3_cache(tmp_path_factory, monkeypatch):
-    """Tokenizer / token caches in this session's temporary directory, never ~/.cache."""
+    """Tokenizer / token caches in this test run's temporary directory, never ~/.cache."""
     monkeypatch.setenv("K3_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "k3-cache"))
 
 
