@@ -8,7 +8,7 @@ of a shared machine then falls on all of them):
   use_cache=True and logits_to_keep=1, as its generate's prefill);
 * decode tokens/s at batch 1 (generation time minus the prefill time, over N new tokens);
 * batch-B throughput (B equal-length prompts, N new tokens each; generated tokens / wall time).
-Goals (issue 4): >= 5x prefill, >= 3x decode at batch 1, and batch-32 throughput vs HF generate.
+Goals: >= 5x prefill, >= 3x decode at batch 1, and batch-32 throughput vs HF generate.
 k3 runs its engine as a server would: one engine per shape, kept across the repeats, with the batch-1
 decode step compiled and the prefill activations fused (`EngineConfig.compile`; `--no-compile` for the
 eager engine; with compiling on, an eager `k3-eager` row is measured beside it). The compile time (once

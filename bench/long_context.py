@@ -31,9 +31,9 @@ longer runs, whose deltas are tens of MiB, run once.
 So the check is that memory grows by the latent cache and nothing else: at L >> L0 the measured delta
 must stay within 10% of cache(L) + kda + prompt(L) + act (the goal at 64K on k3-nano). Totals (RSS
 before + delta vs RSS before + analytic) are reported too. The streaming MLA path (k3.model.mla) is what
-keeps `act` constant; k3-full's 1M-token figures come from `k3 plan` (docs/serving.md, "Long context").
+keeps `act` constant; k3-full's 1M-token figures come from `k3 plan` (docs/long_context.md).
 
-    /work/tools/heavy python bench/long_context.py --json runs/long_context.json          # full
+    python bench/long_context.py --json runs/long_context.json          # full
     python bench/long_context.py --quick                                                  # < 3 min
 """
 

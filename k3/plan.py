@@ -1,7 +1,7 @@
 """Capacity planner (`k3 plan`): per-GPU memory of training and serving a K3 configuration.
 
 Every number is a closed-form function of the config (parameter counts from k3.params, on the meta
-device) and the layout; the formulas are in docs/plan.md. Training layout = k3.parallel: G GPUs,
+device) and the layout; the formulas are in docs/distributed.md. Training layout = k3.parallel: G GPUs,
 ep | G, dp = G / ep, dense weights FSDP-sharded over all G, experts split over ep and FSDP-sharded over
 dp (so every weight is 1/G per GPU). Precision policy: the FSDP-sharded parameters are the fp32 master
 weights; compute uses bf16 copies all-gathered one unit at a time (MixedPrecisionPolicy
@@ -81,7 +81,7 @@ def _unit_of(name: str) -> str:
 
 # ---- activations --------------------------------------------------------------------------------------
 def layer_activation_bytes(config: K3Config, i: int, capacity_factor: float = 1.25) -> int:
-    """Bytes per token kept for backward by layer i (mixer + FFN + norms) (docs/plan.md)."""
+    """Bytes per token kept for backward by layer i (mixer + FFN + norms) (docs/distributed.md)."""
     c, D = config, config.hidden_size
     if c.is_kda_layer(i):
         la = c.linear_attn_config
