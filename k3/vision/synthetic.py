@@ -226,7 +226,7 @@ def example(
     """The index-th example of a split (deterministic in (split, seed, index, kinds, max_shapes)).
 
     max_shapes caps the shapes of a colour scene (1 makes the answer the image's only colour: the
-    pathway check of bench/vision_probe.py); the other kinds ignore it."""
+    check that the image pathway works at all, docs/vision.md); the other kinds ignore it."""
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
     check_kinds(kinds, max_shapes)
