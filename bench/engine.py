@@ -16,7 +16,7 @@ per engine) is printed, not counted in the rates.
 Every timing is kept twice: wall clock (the headline) and this process's CPU time (steadier on a shared
 machine: time other processes take from ours does not count), each the best of its repeats.
 
-    python bench/engine.py --preset k3-tiny --prompt 512 --new 32 --batch 32   # the figures of docs/benchmarks.md
+    python bench/engine.py --preset k3-tiny --prompt 512 --new 32 --batch 32   # docs/benchmarks.md
     python bench/engine.py --json out.json    # + the figures in the `k3 bench` format and the machine
 """
 

@@ -1,4 +1,4 @@
-"""k3 plan: per-GPU numbers against hand computations from SPEC §7.2 and the formulas in docs/distributed.md."""
+"""k3 plan: per-GPU numbers against hand computations from SPEC §7.2 and docs/distributed.md's formulas."""
 
 import pytest
 

@@ -15,7 +15,7 @@ tokens of one optimizer step (all micro-batches).
   call (fp32 CPU, no autograd: the CPU engine's path); `experts_padded` runs all experts as batched
   matmuls over a capacity-padded layout (for accelerators); `experts_gathered` copies the chosen
   experts' weights and needs no host read (what a compiled decode step traces).
-* `quantile_balance_bias` — Quantile Balancing (SPEC §4.1), the exact single-process form; see docs/architecture.md
+* `quantile_balance_bias` — Quantile Balancing (SPEC §4.1), exact single-process form; docs/architecture.md
   for the derivation and the rule for a non-integer target load q = m·k/E.
 * `sign_update_bias` — DeepSeek-V3's auxiliary-loss-free sign update, the ablation alternative.
 """

@@ -7,7 +7,7 @@ into 2 x 2 blocks of C/2,
     X_0 = (I + A_00)^-1 R_0,    X_1 = (I + A_11)^-1 (R_1 - A_10 X_0),
 
 moves half of the multiply-adds into one batched matmul and makes each solve a quarter the size
-(a few % faster than one solve at the bench shape; LAPACK copies each half-block in and out, since the halves are
+(a few % faster than one solve; LAPACK copies each half-block in and out, since the halves are
 not batch-contiguous). The backward needs the transposed system (I + A)^T Y = D, solved bottom block first:
 
     Y_1 = (I + A_11)^-T D_1,    Y_0 = (I + A_00)^-T (D_0 - A_10^T Y_1).
