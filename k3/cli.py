@@ -59,6 +59,24 @@ def _command_parser(cmd: Command):
     return parser, module
 
 
+def command_parser(name: str) -> argparse.ArgumentParser:
+    """The argument parser of the command `name` (imports its module); ValueError for an unknown name."""
+    cmd = next((c for c in COMMANDS if c.name == name), None)
+    if cmd is None:
+        raise ValueError(f"unknown command {name!r}; one of: {', '.join(c.name for c in COMMANDS)}")
+    return _command_parser(cmd)[0]
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    """Parse a command line (without the leading `k3`) as `main` would, without running the command.
+
+    argparse's usage errors raise SystemExit as usual. tests/test_docs.py feeds it every `k3 ...` line
+    of the docs, so a renamed or removed flag fails there.
+    """
+    top, rest = _top_parser().parse_known_args(argv)
+    return command_parser(top.command).parse_args(rest)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `k3` console script; returns the exit code."""
     argv = sys.argv[1:] if argv is None else list(argv)

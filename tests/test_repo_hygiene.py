@@ -1,6 +1,11 @@
-"""Repository-wide checks: ruff is clean and the package dependency direction holds (STYLE §2, §20)."""
+"""Repository-wide checks: ruff is clean, the package dependency direction holds, the package imports
+light, and the tracked text reads as a product: no history narration (issue numbers, working sessions,
+"stop N", a "was ..." aside), no absolute machine paths, no docs page over 400 lines, no link to a
+missing docs page. History belongs in git log and CHANGELOG.md; a comment gives the reason, not the ticket.
+"""
 
 import ast
+import re
 import shutil
 import subprocess
 import sys
@@ -9,6 +14,26 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+MAX_DOC_LINES = 400
+
+# History words: an issue or ticket number, a working session named by an ordinal or a deictic word
+# ("the fifth ...", "this ...'s", a numbered one), a numbered stop, a "was ..." aside in brackets. The samples
+# below show what is caught and what is not (pytest's session scope, an agent's chat session). They are
+# assembled from fragments so that this file passes its own scan.
+ORDINAL = r"first|second|third|fourth|fifth|sixth|seventh|eighth|ninth|tenth|\d+(?:st|nd|rd|th)"
+HISTORY = re.compile(
+    r"\bissues? #?\d+"
+    rf"|\b(?:{ORDINAL}|this|that|previous|next|last|later|earlier)[ -]sessions?\b"
+    r"|\bsessions? \d+"
+    r"|\bstop \d+\b"
+    r"|\((?:was|formerly|previously)\b",
+    re.IGNORECASE,
+)
+# Absolute paths of someone's machine: under work, root, home/<user> or Users at the file-system root (a
+# path that follows a word character, a dot, ~ or another slash is relative or a URL; ~/.cache is a user
+# path).
+MACHINE_PATH = re.compile(r"(?<![\w.~/-])/(?:work|root|Users|home/[^/\s]+)/")
+DOC_LINK = re.compile(r"\bdocs/([\w-]+\.md)\b")
 
 # module prefix -> k3 subpackages it must never import
 FORBIDDEN = {
@@ -55,3 +80,129 @@ def test_import_direction():
 def test_package_import_is_light():
     code = "import sys, k3, k3.config; sys.exit(int('torch' in sys.modules))"
     assert subprocess.run([sys.executable, "-c", code], cwd=ROOT).returncode == 0
+
+
+def history_words(text: str) -> list[str]:
+    return [m.group(0) for m in HISTORY.finditer(text)]
+
+
+def machine_paths(text: str) -> list[str]:
+    return [m.group(0) for m in MACHINE_PATH.finditer(text)]
+
+
+def tracked_text_files() -> dict[str, str]:
+    """{path: text} of every tracked file that is text (UTF-8 without NUL bytes); binaries are left out."""
+    names = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout
+    files = {}
+    for name in filter(None, names.decode().split("\0")):
+        path = ROOT / name
+        if not path.is_file():  # deleted in the working tree, not yet committed
+            continue
+        data = path.read_bytes()
+        if b"\0" in data:
+            continue
+        try:
+            files[name] = data.decode("utf-8")
+        except UnicodeDecodeError:
+            continue
+    return files
+
+
+def _offences(find) -> list[str]:
+    return [
+        f"{name}:{i}: {hit!r}"
+        for name, text in tracked_text_files().items()
+        for i, line in enumerate(text.splitlines(), 1)
+        for hit in find(line)
+    ]
+
+
+def test_no_history_words():
+    bad = _offences(history_words)
+    assert not bad, (
+        "history narration belongs in git log / CHANGELOG.md; say the reason instead:\n" + "\n".join(bad)
+    )
+
+
+def test_no_machine_paths():
+    bad = _offences(machine_paths)
+    assert not bad, "absolute machine paths (use a relative or a documented user path):\n" + "\n".join(bad)
+
+
+def test_docs_pages_are_short():
+    long = {
+        p.name: n
+        for p in (ROOT / "docs").glob("**/*.md")
+        if (n := len(p.read_text().splitlines())) > MAX_DOC_LINES
+    }
+    assert not long, f"docs pages over {MAX_DOC_LINES} lines (split by concern): {long}"
+
+
+def test_doc_links_resolve():
+    pages = {p.name for p in (ROOT / "docs").glob("*.md")}
+    bad = [
+        f"{name}: docs/{page}"
+        for name, text in tracked_text_files().items()
+        for page in DOC_LINK.findall(text)
+        if page not in pages
+    ]
+    for page in (ROOT / "docs").glob("*.md"):
+        for target in re.findall(r"\]\(([\w-]+\.md)(?:#[\w-]*)?\)", page.read_text()):
+            if target not in pages:
+                bad.append(f"docs/{page.name}: ({target})")
+    assert not bad, "links to docs pages that do not exist:\n" + "\n".join(bad)
+
+
+# ---- the checkers on sample text: each rule fails where it should and only there -------------------------
+ISSUE, SESSION, STOP, WAS = "issue", "session", "stop", "was"
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        f"measured after the refactor ({ISSUE} 4)",
+        f"see {ISSUE} 12 for the goal",
+        f"the fifth {SESSION}'s final k3 bench",
+        f"in this {SESSION}'s runs",
+        f"a later {SESSION} measured it",
+        f"{STOP} 25: the engine bench",
+        f"{SESSION}s 3-5 tried it",
+        f"RECURRENT_MAX_T is 16 ({WAS} 64)",
+    ],
+)
+def test_history_words_are_caught(text):
+    assert history_words(text)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        f'@pytest.fixture(scope="{SESSION}")',
+        f"replay a multi-turn agent {SESSION} and measure reuse",
+        f"{SESSION}_turns = 12",
+        f"cached prompt tokens (whole {SESSION})",
+        f"a chat {SESSION}'s history is the prompt",
+        f"{STOP} strings and {STOP} token ids",
+        f"the next token {WAS} sampled",
+    ],
+)
+def test_legitimate_words_pass(text):
+    assert not history_words(text)
+
+
+@pytest.mark.parametrize(
+    "text, bad",
+    [
+        ("/" + "work/main/bench/kda.py", True),
+        ("spec: `/" + "work/shared/k3/SPEC.md`", True),
+        ('open("/' + 'root/.cache/k3/x")', True),
+        ("/" + "home/alice/k3/runs", True),
+        ("/" + "Users/bob/k3", True),
+        ("~/.cache/k3/native", False),
+        ("runs/work/x and bench/peers/llamacpp.sh", False),
+        ("https://example.org/work/x", False),
+        ("--out /shared/runs/x", False),
+    ],
+)
+def test_machine_paths_are_caught(text, bad):
+    assert bool(machine_paths(text)) == bad
