@@ -139,8 +139,11 @@ def check_command(argv: list[str], full: bool) -> str | None:
         if not source.exists():
             return f"{source.relative_to(ROOT)} does not exist"
         known = _declared_flags(source)
+        known = None if known is None else known | {"--help"}
         unknown = [f for f in flags if known is not None and f not in known]
         return f"unknown options {unknown} for {source.name}" if unknown else None
+    if argv[1:] in (["..."], ["…"]):
+        return None  # `k3 ...`: any command, named in prose
     if len(argv) < 2 or argv[1].startswith("-"):
         return None if argv[1:] in (["--help"], ["--version"]) else "no command"
     try:
@@ -239,6 +242,8 @@ def test_extraction_finds_fenced_and_inline_commands():
         ("k3 serve", False),  # the checkpoint is required
         ("k3 nosuchcommand", False),
         ("python bench/kda.py --threads 1", True),
+        ("python bench/kda.py --help", True),
+        ("k3 ...", True),  # prose for "any command"
         ("python bench/kda.py --nope", False),
         ("python bench/no_such_script.py", False),
     ],

@@ -143,6 +143,7 @@ def test_doc_links_resolve():
     bad = [
         f"{name}: docs/{page}"
         for name, text in tracked_text_files().items()
+        if name != "CHANGELOG.md"  # it records removed pages by name
         for page in DOC_LINK.findall(text)
         if page not in pages
     ]
