@@ -17,14 +17,24 @@ names to their ids. (An HF ``tokenizers``/``transformers`` tokenizer built from 
 registers the reserved tokens as added tokens and so always matches them -- use this class for
 untrusted text.)
 
-Pre-tokenisation. A GPT-4 (cl100k)-style split, PRE_TOKENIZER_PATTERN: letter runs with one optional
-leading non-letter, digit groups of at most 3, punctuation runs, newline runs and other whitespace.
-K3's regex is K2's, which we have not verified (SPEC §8.9); the regex only changes how text is cut
-before BPE, so any pattern decodes losslessly.
+Pre-tokenisation. Kimi K2's split (SPEC §6.1 gives K3 K2's regex, unverified there, §8.9; llama.cpp's
+converter assumes the same), PRE_TOKENIZER_PATTERN: Han runs; letter runs of one case shape (capitals
+then lower case, or capitals only; Han excluded, marks included) with one optional leading non-letter
+and an optional English contraction; digit groups of at most 3; punctuation runs with trailing
+newlines; newline runs; other whitespace. It is the ``pat_str`` that the release's
+``tokenization_kimi.py`` gives tiktoken, so a trained tokenizer exported as ``tiktoken.model`` encodes
+identically under tiktoken, and a GGUF can declare llama.cpp's ``kimi-k2`` pre-tokenizer (which departs
+from the regex on combining marks, a few Han-script characters such as 々, and case changes after
+kana/Hangul; the interop docs give examples). The regex only changes how text is cut before BPE, so
+any pattern decodes losslessly; a ``tokenizer.json`` carries its own pattern, so tokenizers trained
+with an older split still load and encode as trained.
 
-Backends. A trained tokenizer uses HF ``tokenizers`` (byte-level BPE, saved as ``tokenizer.json`` +
-``tokenizer_config.json``). ``K3Tokenizer.from_dir`` also reads the official ``tiktoken.model``
-(base64-token/rank lines) through the optional ``tiktoken`` package.
+Backends. A trained tokenizer uses HF ``tokenizers`` (byte-level BPE). :meth:`K3Tokenizer.save` writes
+``tokenizer.json`` (HF), ``tiktoken.model`` (the release's base64-token/rank lines, ranks = ids) and
+``tokenizer_config.json`` (the release's ``added_tokens_decoder`` layout plus the chat template,
+``k3/chat_template.jinja``). ``K3Tokenizer.from_dir`` reads ``tokenizer.json`` when present, else the
+official ``tiktoken.model`` through the optional ``tiktoken`` package. :mod:`k3.tokenizer_export` has the
+rank and GGUF views (:meth:`K3Tokenizer.gguf_vocab`).
 
 Caching: :func:`load_or_train_tokenizer` keeps trained tokenizers in
 ``$K3_CACHE_DIR/tokenizers/<corpus fingerprint>-<vocab_size>/`` (default ``~/.cache/k3``).
@@ -46,11 +56,25 @@ MIN_VOCAB_SIZE = 256 + NUM_RESERVED  # every byte plus the reserved block
 DEFAULT_VOCAB_SIZE = 8192
 DEFAULT_MAX_TRAIN_BYTES = 256 * 2**20  # the stdlib (~31 MB) trains in full
 DEFAULT_MODEL_MAX_LENGTH = 1_048_576  # config.json max_position_embeddings
-FORMAT_VERSION = 1
-PRE_TOKENIZER_PATTERN = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+FORMAT_VERSION = 2  # what a cached tokenizer encodes (2: Kimi K2's split); another version is retrained
+# the two sides of a word; `&&` intersects sets (Oniguruma, tiktoken's regex, `regex` V1): not Han
+_NOT_HAN_UPPER = r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]"
+_NOT_HAN_LOWER = r"[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]"
+_CONTRACTION = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+_LEAD = r"[^\r\n\p{L}\p{N}]?"  # one optional non-letter, non-digit, non-newline before a word
+PRE_TOKENIZER_PATTERN = "|".join(
+    [
+        r"[\p{Han}]+",
+        f"{_LEAD}{_NOT_HAN_UPPER}*{_NOT_HAN_LOWER}+{_CONTRACTION}",  # "Word", "word": capitals, lower case
+        f"{_LEAD}{_NOT_HAN_UPPER}+{_NOT_HAN_LOWER}*{_CONTRACTION}",  # "WORD" (and what the first leaves)
+        r"\p{N}{1,3}",
+        r" ?[^\s\p{L}\p{N}]+[\r\n]*",
+        r"\s*[\r\n]+",
+        r"\s+(?!\S)",  # a whitespace run leaves its last space to the word after it
+        r"\s+",
+    ]
 )
+_ADDED_TOKEN_FLAGS = dict(lstrip=False, normalized=False, rstrip=False, single_word=False)  # as released
 # offset in the reserved block -> (name, special); SPEC §6.1
 _NAMED_RESERVED = {
     0: ("[BOS]", True),
@@ -88,6 +112,39 @@ def reserved_tokens(base: int) -> list[ReservedToken]:
     return out
 
 
+def byte_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character map (HF ``ByteLevel``, GGUF ``gpt2`` vocabularies): printable
+    Latin-1 bytes stand for themselves, the other 68 take the characters from U+0100 on, in byte order."""
+    kept = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    moved = [b for b in range(256) if b not in kept]
+    return {b: chr(b) for b in kept} | {b: chr(0x100 + i) for i, b in enumerate(moved)}
+
+
+_BYTE_TO_CHAR = byte_to_unicode()
+_CHAR_TO_BYTE = {c: b for b, c in _BYTE_TO_CHAR.items()}
+
+
+def token_string(token: bytes) -> str:
+    """A token's bytes in GPT-2 byte-to-unicode form (how ``tokenizer.json`` and GGUF spell it)."""
+    return "".join(_BYTE_TO_CHAR[b] for b in token)
+
+
+def token_bytes(string: str) -> bytes:
+    """Inverse of :func:`token_string`."""
+    try:
+        return bytes(_CHAR_TO_BYTE[c] for c in string)
+    except KeyError as e:
+        raise ValueError(f"token {string!r} holds {e.args[0]!r}, not a byte-level character") from None
+
+
+def pre_tokenize(text: str, pattern: str = PRE_TOKENIZER_PATTERN) -> list[str]:
+    """The pieces ``pattern`` cuts ``text`` into before BPE (HF ``tokenizers``' Oniguruma engine)."""
+    from tokenizers import Regex, pre_tokenizers
+
+    split = pre_tokenizers.Split(Regex(pattern), behavior="isolated")
+    return [piece for piece, _ in split.pre_tokenize_str(text)]
+
+
 class _HFBackend:
     """Ordinary ids only: an HF ``tokenizers.Tokenizer`` without added tokens."""
 
@@ -103,13 +160,20 @@ class _HFBackend:
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=False)
 
+    def ranks(self) -> dict[bytes, int]:
+        return {token_bytes(s): i for s, i in self.tok.get_vocab().items()}
+
+    def merges(self) -> list[tuple[bytes, bytes]]:
+        pairs = json.loads(self.tok.to_str())["model"]["merges"]  # [a, b] lists, or "a b" in old files
+        return [tuple(map(token_bytes, p.split(" ") if isinstance(p, str) else p)) for p in pairs]
+
 
 class _TiktokenBackend:
     """Ordinary ids only: a ``tiktoken.Encoding`` over the mergeable ranks, no special tokens."""
 
     def __init__(self, ranks: dict[bytes, int], pat_str: str):
         tiktoken = _import_tiktoken()
-        self.ranks = ranks
+        self._ranks = ranks
         self.enc = tiktoken.Encoding("k3", pat_str=pat_str, mergeable_ranks=ranks, special_tokens={})
 
     def encode(self, text: str) -> list[int]:
@@ -120,6 +184,14 @@ class _TiktokenBackend:
 
     def decode(self, ids: list[int]) -> str:
         return self.enc.decode_bytes(ids).decode("utf-8", errors="replace")
+
+    def ranks(self) -> dict[bytes, int]:
+        return dict(self._ranks)
+
+    def merges(self) -> list[tuple[bytes, bytes]]:
+        from k3.tokenizer_export import merges_from_ranks
+
+        return merges_from_ranks(self._ranks)
 
 
 def _import_tiktoken():
@@ -225,17 +297,42 @@ class K3Tokenizer:
             parts.append(self._backend.decode(run))
         return "".join(parts)
 
+    def pre_tokenize(self, text: str) -> list[str]:
+        """The pieces this tokenizer's pre-tokenizer cuts ``text`` into (BPE never merges across them)."""
+        if not self.pat_str:
+            raise ValueError("this tokenizer's pre-tokenizer has no Split regex (pat_str is empty)")
+        return pre_tokenize(text, self.pat_str)
+
+    @property
+    def kimi_split(self) -> bool:
+        """True iff text is cut with Kimi K2's regex (then llama.cpp's ``kimi-k2`` pre-tokenizer applies)."""
+        return self.pat_str == PRE_TOKENIZER_PATTERN
+
+    def ranks(self) -> dict[bytes, int]:
+        """Ordinary tokens as bytes -> id: tiktoken's mergeable ranks (rank = id)."""
+        return self._backend.ranks()
+
+    def merges(self) -> list[tuple[bytes, bytes]]:
+        """The BPE merges in priority order, as byte pairs (one per multi-byte ordinary token)."""
+        return self._backend.merges()
+
+    def gguf_vocab(self):
+        """llama.cpp's view of this vocabulary: :func:`k3.tokenizer_export.gguf_vocab`."""
+        from k3.tokenizer_export import gguf_vocab
+
+        return gguf_vocab(self)
+
     # ---- persistence -------------------------------------------------------------------------------
 
     def save(self, directory: str | os.PathLike) -> Path:
-        """Write ``tokenizer.json`` (or ``tiktoken.model``) and ``tokenizer_config.json`` to ``directory``."""
+        """Write ``tokenizer.json`` (HF backend), ``tiktoken.model`` and ``tokenizer_config.json``."""
+        from k3.tokenizer_export import write_tiktoken_model
+
         d = Path(directory)
         d.mkdir(parents=True, exist_ok=True)
-        if isinstance(self._backend, _TiktokenBackend):
-            lines = (f"{base64.b64encode(b).decode()} {r}\n" for b, r in self._backend.ranks.items())
-            (d / "tiktoken.model").write_text("".join(lines))
-        else:
+        if isinstance(self._backend, _HFBackend):
             (d / "tokenizer.json").write_text(self._hf_json())
+        write_tiktoken_model(self, d / "tiktoken.model")
         (d / "tokenizer_config.json").write_text(json.dumps(self._config(), indent=1, ensure_ascii=False))
         return d
 
@@ -245,12 +342,15 @@ class K3Tokenizer:
         for t in self.reserved:
             data["model"]["vocab"][t.name] = t.id
             data["added_tokens"].append(
-                dict(id=t.id, content=t.name, single_word=False, lstrip=False, rstrip=False, normalized=False)
-                | {"special": t.special}
+                dict(id=t.id, content=t.name, **_ADDED_TOKEN_FLAGS, special=t.special)
             )
         return json.dumps(data, ensure_ascii=False)
 
     def _config(self) -> dict:
+        """The release's ``tokenizer_config.json`` fields (every reserved id in ``added_tokens_decoder``),
+        the chat template, and k3's own metadata under ``k3``."""
+        from k3.chat_format import chat_template
+
         backend = "tiktoken" if isinstance(self._backend, _TiktokenBackend) else "hf"
         tokens = {
             "bos_token": "[BOS]",
@@ -259,20 +359,24 @@ class K3Tokenizer:
             "unk_token": "[UNK]",
         }
         extra = [t.name for t in self.reserved if t.special and t.name not in tokens.values()]
-        decoder = {str(t.id): {"content": t.name, "special": t.special} for t in self.reserved}
+        decoder = {
+            str(t.id): {"content": t.name, **_ADDED_TOKEN_FLAGS, "special": t.special} for t in self.reserved
+        }
         k3 = dict(format_version=FORMAT_VERSION, backend=backend, vocab_size=self.vocab_size, base=self.base)
         k3 |= dict(pat_str=self.pat_str, max_train_bytes=self.max_train_bytes)
         return dict(
-            tokenizer_class="PreTrainedTokenizerFast" if backend == "hf" else "TikTokenTokenizer",
+            added_tokens_decoder=decoder,
+            additional_special_tokens=extra,
             **tokens,
             bos_token_id=self.bos_id,
             eos_token_id=self.eos_id,
             pad_token_id=self.pad_id,
-            model_max_length=self.model_max_length,
             add_bos_token=False,
             add_eos_token=False,
-            special_tokens_map=tokens | {"additional_special_tokens": extra},
-            added_tokens_decoder=decoder,
+            clean_up_tokenization_spaces=False,
+            model_max_length=self.model_max_length,
+            tokenizer_class="PreTrainedTokenizerFast" if backend == "hf" else "TikTokenTokenizer",
+            chat_template=chat_template(),
             k3=k3,
         )
 
@@ -306,7 +410,17 @@ def _load_hf(path: Path, meta: dict) -> K3Tokenizer:
     for t in reserved:
         data["model"]["vocab"].pop(t.name, None)
     data["added_tokens"] = []
+    meta = meta | {"pat_str": _split_pattern(data.get("pre_tokenizer")) or meta.get("pat_str", "")}
     return K3Tokenizer(_HFBackend(Tokenizer.from_str(json.dumps(data))), base, reserved, **meta)
+
+
+def _split_pattern(pre: dict | None) -> str | None:
+    """The regex of a ``tokenizer.json`` pre-tokenizer's ``Split`` step (what really cuts the text)."""
+    steps = (pre or {}).get("pretokenizers", [pre or {}])
+    for step in steps:
+        if step.get("type") == "Split" and "Regex" in step.get("pattern", {}):
+            return step["pattern"]["Regex"]
+    return None
 
 
 def _load_tiktoken(path: Path, cfg: dict, meta: dict) -> K3Tokenizer:
@@ -343,7 +457,8 @@ def train_tokenizer(
 
     ``vocab_size`` counts the 256 reserved ids, so BPE learns ``vocab_size - 512`` merges on top of the
     256 byte tokens. If the text supports fewer merges, the unused ordinary ids are filled with
-    unreachable ``<|unused_ID|>`` entries so the id layout stays fixed.
+    unreachable ``<|unused_ID|>`` entries so the id layout stays fixed; text that yields no merge at all
+    while the vocabulary has room for some is refused (llama.cpp needs merges in a BPE vocabulary).
     """
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -363,6 +478,8 @@ def train_tokenizer(
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     trainer = trainers.BpeTrainer(vocab_size=base, initial_alphabet=alphabet, show_progress=False)
     tok.train_from_iterator(_take_bytes(texts, max_train_bytes), trainer)
+    if base > 256 and tok.get_vocab_size() == 256:
+        raise ValueError(f"texts yield no BPE merge (vocab_size {vocab_size} has room for {base - 256})")
     if tok.get_vocab_size() < base:
         data = json.loads(tok.to_str())
         data["model"]["vocab"] |= {f"<|unused_{i}|>": i for i in range(tok.get_vocab_size(), base)}
