@@ -3,8 +3,12 @@
 One background thread owns the engine: it drains an inbox of submissions and aborts between steps and
 runs `step()` while there is work, so the event loop never waits for a model step. Callers consume
 `Event`s from an asyncio queue per request; events are plain copies (no shared mutable state crosses
-the thread boundary). Leaving the consumer loop early (client disconnect, cancellation) aborts the
-request, which frees its slot and pages. `max_pending` bounds the requests in flight.
+the thread boundary). Leaving the consumer loop early (client disconnect, cancellation) or `cancel()`
+aborts the request, which frees its pending place at once and its slot and pages before the next step.
+`max_pending` bounds the requests in flight. A request whose own sampling or detokenizing fails ends
+with an error event; the others in its batch go on (`Engine.step`). The engine thread also refreshes
+a copy of the engine's counters and gauges after every drain and step, so `metrics()` never reads the
+scheduler's lists while they change.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ class Event:
 class AsyncEngine:
     def __init__(self, engine: Engine, max_pending: int = 256):
         self.engine, self.max_pending = engine, max_pending
+        self._metrics = engine.metrics()
         self._subs: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._subs_lock = threading.Lock()  # never held across a model step
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -53,7 +58,11 @@ class AsyncEngine:
         return self.engine.tokenizer
 
     def metrics(self) -> dict:
-        return self.engine.metrics()  # plain counters; a slightly stale read is fine
+        """The engine's counters and gauges as of its last drain or step, + `pending` (requests in
+        flight here: queued for the engine thread, waiting or running)."""
+        with self._subs_lock:
+            pending = len(self._subs)
+        return {**self._metrics, "pending": pending}
 
     def shutdown(self) -> None:
         self._stop = True
@@ -61,13 +70,26 @@ class AsyncEngine:
         self._thread.join(timeout=5)
 
     # ---- requests (event-loop side) -----------------------------------------------------------------
-    async def generate(self, prompt: list[int], params: SamplingParams, salt: str = "", media: tuple = ()):
+    def new_request_id(self) -> str:
+        return f"areq-{next(self._ids)}"
+
+    async def generate(
+        self,
+        prompt: list[int],
+        params: SamplingParams,
+        salt: str = "",
+        media: tuple = (),
+        request_id: str | None = None,
+    ):
         """Async iterator of Events for one request; raises QueueFull / ValueError before the first.
-        `media`: `k3.infer.media.MediaSpan`s (image embeddings), see `Engine.add_request`."""
+        `media`: `k3.infer.media.MediaSpan`s (image embeddings), see `Engine.add_request`.
+        `request_id` (from `new_request_id`) lets another task `cancel` it."""
         self.engine.validate(prompt, media)
         loop, q = asyncio.get_running_loop(), asyncio.Queue()
-        rid = f"areq-{next(self._ids)}"
+        rid = request_id or self.new_request_id()
         with self._subs_lock:
+            if rid in self._subs:
+                raise ValueError(f"request_id {rid!r} is already in use")
             if len(self._subs) >= self.max_pending:
                 raise QueueFull(f"{len(self._subs)} requests in flight (max_pending={self.max_pending})")
             self._subs[rid] = (loop, q)
@@ -89,12 +111,22 @@ class AsyncEngine:
         self._inbox.put(("abort", request_id))
         self._wake.set()
 
+    def cancel(self, request_id: str) -> None:
+        """Abort a request from another task of the event loop (its client hung up): its consumer gets a
+        final "abort" event now, and the engine frees its slot and pages before the next step."""
+        with self._subs_lock:
+            sub = self._subs.get(request_id)
+        if sub is not None:
+            sub[1].put_nowait(Event([], True, "abort"))
+        self.abort(request_id)
+
     # ---- the engine thread --------------------------------------------------------------------------
     def _run(self) -> None:
         while not self._stop:
             events = self._drain()
             if self.engine.has_unfinished:
                 events += self._step()
+            self._metrics = self.engine.metrics()
             for loop, q, event in events:
                 loop.call_soon_threadsafe(q.put_nowait, event)
             if not self.engine.has_unfinished and self._inbox.empty():
@@ -117,8 +149,8 @@ class AsyncEngine:
                 continue
             try:
                 self.engine.add_request(rest[0], rest[1], salt=rest[2], request_id=rid, media=rest[3])
-            except ValueError as e:
-                events.append((*sub, Event([], True, "error", error=str(e))))
+            except Exception as e:  # noqa: BLE001 - this request alone fails
+                events.append((*sub, Event([], True, "error", error=f"{type(e).__name__}: {e}")))
                 self._forget(rid)
 
     def _forget(self, rid: str) -> None:
@@ -144,7 +176,8 @@ class AsyncEngine:
                 continue
             event = Event(list(out.new_tokens), out.finished, s.finish_reason, s.text,
                           list(s.logprobs[len(s.logprobs) - k :]) if s.params.logprobs is not None else [],
-                          list(s.prompt_logprobs) if out.finished else [], s.cached_tokens)  # fmt: skip
+                          list(s.prompt_logprobs) if out.finished else [], s.cached_tokens,
+                          s.error)  # fmt: skip
             events.append((*sub, event))
             if out.finished:
                 self._forget(s.request_id)

@@ -56,6 +56,7 @@ class SlotPool:
     def __init__(self, num_slots: int):
         if num_slots < 1:
             raise ValueError(f"num_slots must be >= 1, got {num_slots}")
+        self.num_slots = num_slots
         self._free = list(range(num_slots - 1, -1, -1))
 
     @property

@@ -67,7 +67,9 @@ class Engine:
         self.runner = ModelRunner(model, self.config)
         self.generator = torch.Generator().manual_seed(0)
         self.requests: dict[str, Sequence] = {}
-        self.stats = dict(requests=0, prompt_tokens=0, generated_tokens=0)
+        self.stats = dict(
+            requests=0, prompt_tokens=0, generated_tokens=0, failed_requests=0, aborted_requests=0
+        )
 
     # ---- requests -----------------------------------------------------------------------------------
     def add_request(
@@ -109,6 +111,7 @@ class Engine:
         if seq is not None and seq.status is not Status.FINISHED:
             seq.finish_reason = "abort"
             self.scheduler.finish(seq)
+            self.stats["aborted_requests"] += 1
 
     @property
     def has_unfinished(self) -> bool:
@@ -127,7 +130,10 @@ class Engine:
         outputs = []
         for (seq, n), logits in zip(plan.items, all_logits, strict=True):
             before = len(seq.output)
-            self._advance(seq, n, logits)
+            try:
+                self._advance(seq, n, logits)
+            except Exception as e:  # noqa: BLE001 - this row's sampling or detokenizing failed: it alone fails
+                self._fail(seq, e)
             if (
                 seq.status is not Status.FINISHED
                 and seq.num_computed == len(seq)
@@ -195,6 +201,15 @@ class Engine:
         if len(seq.output) >= p.max_tokens or len(seq) >= self.config.max_model_len:
             return self._finish(seq, "length")
 
+    def _fail(self, seq: Sequence, error: Exception) -> None:
+        """End one request whose own step failed (finish_reason "error"); the rest of its batch goes on.
+        Its memory is released like an abort's; nothing it half-registered is kept as a snapshot."""
+        seq.error = f"{type(error).__name__}: {error}"
+        seq.finish_reason, seq.pending_snapshot = "error", None
+        self.scheduler.finish(seq)
+        self.requests.pop(seq.request_id, None)
+        self.stats["failed_requests"] += 1
+
     def _finish(self, seq: Sequence, reason: str) -> None:
         seq.finish_reason = reason
         if seq.pending_snapshot is not None and self.scheduler.cache is not None:
@@ -233,12 +248,29 @@ class Engine:
         return seqs
 
     def metrics(self) -> dict:
-        cache = self.scheduler.cache
+        """Counters and gauges (plain ints). Memory: KDA slots held by sequences; MLA pages held by
+        sequences (`mla_pages_in_use`, shared ones counted once), held only by the prefix cache
+        (`mla_pages_cached`) and free; KDA snapshots in the cache and those sequences still hold
+        (pending or captured, registered when they finish or their chunk ends). Idle = no slot, no
+        sequence page, no sequence snapshot."""
+        sch, cache = self.scheduler, self.scheduler.cache
+        seqs = [*sch.running, *sch.waiting]
+        seq_pages = {p for s in seqs for p in s.block_table}
+        pool = sch.pages
         return dict(
             self.stats,
-            running=len(self.scheduler.running),
-            waiting=len(self.scheduler.waiting),
-            preemptions=self.scheduler.num_preemptions,
+            running=len(sch.running),
+            waiting=len(sch.waiting),
+            preemptions=sch.num_preemptions,
             prefix_cache_queried_tokens=cache.queried_tokens if cache else 0,
             prefix_cache_hit_tokens=cache.hit_tokens if cache else 0,
+            kda_slots_total=sch.slots.num_slots,
+            kda_slots_in_use=sch.slots.num_slots - sch.slots.num_free,
+            mla_pages_total=pool.num_pages,
+            mla_pages_in_use=len(seq_pages),
+            mla_pages_cached=pool.num_pages - pool.num_free - len(seq_pages),
+            mla_pages_free=pool.num_free,
+            kda_snapshots_cached=len(cache.snaps) if cache else 0,
+            kda_snapshot_bytes=cache.snapshot_bytes if cache else 0,
+            kda_snapshots_held=sum((s.pending_snapshot is not None) + (s.captured is not None) for s in seqs),
         )

@@ -7,6 +7,10 @@ import torch
 
 from k3.infer.sequence import SamplingParams
 
+# Below this temperature sampling is greedy: the scaled logits' softmax is a one-hot up to rounding, and
+# dividing by a tiny temperature (1e-300) overflows to inf, whose softmax is NaN.
+MIN_TEMPERATURE = 1e-5
+
 
 def filtered_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """logits [V] fp32 -> temperature-scaled logits with tokens outside top-k / top-p set to -inf."""
@@ -24,7 +28,7 @@ def filtered_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None) -> int:
     """logits [V] fp32 -> the next token id."""
-    if params.temperature == 0:
+    if params.temperature < MIN_TEMPERATURE:
         return int(logits.argmax())
     probs = torch.softmax(filtered_logits(logits, params), -1)
     return int(torch.multinomial(probs, 1, generator=generator))

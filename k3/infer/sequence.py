@@ -30,7 +30,7 @@ class SamplingParams:
     def __post_init__(self):
         checks = {
             "max_tokens": self.max_tokens >= 0,
-            "temperature": self.temperature >= 0,
+            "temperature": 0 <= self.temperature < float("inf"),
             "top_k": self.top_k >= 0,
             "top_p": 0 < self.top_p <= 1,
             "seed": self.seed is None or 0 <= self.seed < 2**63,
@@ -69,6 +69,7 @@ class Sequence:
     capture: int = 0  # this step's chunk also snapshots the KDA state at this position (0: none)
     captured: tuple[int, object] | None = None  # (length, handle) the runner captured, for the engine
     finish_reason: str | None = None
+    error: str | None = None  # why this request alone failed (finish_reason "error"), e.g. its sampling
     text: str = ""  # detokenized output (when the engine has a tokenizer), cut at a stop string
     cached_tokens: int = 0  # prompt tokens served from the prefix cache at admission
     junction: int = 0  # where the cached MLA chain outruns the snapshots: a chunk ends there

@@ -1,35 +1,63 @@
-"""HTTP routes: /v1/models, /v1/chat/completions, /v1/completions (stream and not), /health, /metrics.
+"""HTTP routes: /v1/models, /v1/chat/completions, /v1/completions (stream and not), /health, /metrics,
+/openapi.json, and the web chat page at / (static files in k3/serve/static).
 
-Every request body is read with a size cap (413), decoded as UTF-8 (400), parsed as JSON (400) and
-validated (422); a wrong API key is 401, an unknown model 404, a prompt or max_tokens that does not fit
-the context 400, a full queue 503. Errors use OpenAI's error JSON. A streaming client that disconnects
-aborts its request (the async engine frees the slot). The API key is also the prefix-cache salt, so
-tenants never share cached state.
+Every request body is read with a size cap applied while it streams in (413 before the rest arrives),
+must be application/json (415), is decoded as UTF-8 (400), parsed as strict JSON (400: no NaN, no lone
+surrogates) and validated against the documented schema (422; k3.serve.protocol, k3.serve.openapi).
+With `--api-key`, every route but /health needs `Authorization: Bearer KEY` (compared in constant time;
+401 with `WWW-Authenticate`); the static page carries no data and asks for the key in the browser. An
+unknown model is 404, a prompt that does not fit the context 400 with its token count, a full queue
+503 with `Retry-After`. Errors use OpenAI's error JSON. `max_tokens` is an upper bound (at most
+`--max-output-tokens`, also its default): generation also ends where the context does (finish_reason
+"length").
+
+One request's failure stays its own: tokenizing errors answer 400, a failure while sampling or
+detokenizing it ends that request with 500 (or an error event when streaming) while its batch goes on,
+and anything else unexpected answers 500 in the OpenAI shape. A client that hangs up -- streaming or
+not, running or still queued -- is noticed by a watcher on the connection, which cancels its request:
+its pending place is free at once, its slot and pages before the engine's next step. The API key is also
+the prefix-cache salt, so tenants never share cached state.
 
 Images (an engine with `.vision`, `k3.vision.serving.load_vl_engine`): user messages may carry OpenAI
 `image_url` parts as data: URLs (base64 PNG/JPEG). Remote URLs, undecodable, truncated or oversized
-images and literal image placeholders in the text answer 400 for that request alone; the images are
-decoded and embedded before the request reaches the engine, and each image's content hash enters the
-prefix-cache keys of the units its tokens occupy (`k3.infer.media`).
+images and literal image placeholders in the text answer 400 for that request alone; nothing in a
+request makes the server read a file or fetch a URL. The images are decoded and embedded before the
+request reaches the engine, and each image's content hash enters the prefix-cache keys of the units its
+tokens occupy (`k3.infer.media`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
+import sys
+import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from k3.chat_format import ChatOptions, encode_segments, parse_generation, render
 from k3.infer.async_engine import AsyncEngine, QueueFull
 from k3.infer.sequence import SamplingParams
 from k3.serve import responses as R
+from k3.serve.metrics import ServerMetrics
+from k3.serve.openapi import build_openapi
 from k3.serve.protocol import ChatCompletionRequest, CompletionRequest, error_body, new_id, now
 from k3.vision.image_io import ImageError
+
+STATIC = Path(__file__).parent / "static"
+# the page loads only its own files; no inline script, no remote origin
+PAGE_CSP = (
+    "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data: blob:; "
+    "connect-src 'self'; form-action 'none'; frame-ancestors 'none'; base-uri 'none'"
+)
+JSON_TYPES = ("application/json",)
 
 
 @dataclass(frozen=True)
@@ -38,161 +66,357 @@ class ServeConfig:
     api_key: str | None = None
     max_model_len: int = 8192
     max_body_bytes: int = 4 << 20
+    retry_after_s: int = 1  # the 503's Retry-After
+    max_output_tokens: int | None = None  # per request (422 above it; the default); None: the context
+
+    @property
+    def output_cap(self) -> int:
+        return self.max_output_tokens or self.max_model_len
 
 
 class APIError(Exception):
     def __init__(
-        self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None
+        self,
+        status: int,
+        message: str,
+        type_: str = "invalid_request_error",
+        param: str | None = None,
+        headers: dict | None = None,
     ):
         super().__init__(message)
         self.status, self.message, self.type, self.param = status, message, type_, param
+        self.headers = headers or {}
+
+
+class _Gone(Response):
+    """The answer to a client that hung up: nothing is sent (the guard counts it as status 499)."""
+
+    def __init__(self):
+        super().__init__(status_code=499)
+
+    async def __call__(self, scope, receive, send) -> None:
+        return None
 
 
 def create_app(engine: AsyncEngine, cfg: ServeConfig) -> FastAPI:
-    app = FastAPI(title="k3")
+    app = FastAPI(title="k3", docs_url=None, redoc_url=None, openapi_url=None)
     tok = engine.tokenizer
+    vision = getattr(engine.engine, "vision", None)
+    stats = ServerMetrics()
+    doc = build_openapi(cfg.served_model_name, engine.engine.vocab_size, cfg.output_cap,
+                        vision is not None, cfg.api_key is not None)  # fmt: skip
+    app.add_middleware(_Guard, stats=stats)
 
     @app.exception_handler(APIError)
     async def _api_error(_, e: APIError):
-        return JSONResponse(error_body(e.message, e.type, e.param, e.status), status_code=e.status)
-
-    @app.exception_handler(Exception)
-    async def _internal(_, e: Exception):  # a bug answers 500 in the OpenAI shape; the server keeps running
-        return JSONResponse(error_body(f"internal error: {type(e).__name__}", "server_error", None, 500), 500)
+        return JSONResponse(
+            error_body(e.message, e.type, e.param, e.status), status_code=e.status, headers=e.headers
+        )
 
     @app.exception_handler(HTTPException)
-    async def _http_error(_, e: HTTPException):
+    async def _http_error(_, e: HTTPException):  # routing: 404, 405 (with its Allow header)
         return JSONResponse(
-            error_body(str(e.detail), "invalid_request_error", None, e.status_code), e.status_code
+            error_body(str(e.detail), "invalid_request_error", None, e.status_code),
+            e.status_code,
+            headers=getattr(e, "headers", None),
         )
 
     async def parse(request: Request, model_cls):
         salt = _auth(request, cfg)
-        length = request.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > cfg.max_body_bytes:
-            raise APIError(413, f"request body over {cfg.max_body_bytes} bytes")
-        raw = await request.body()
-        if len(raw) > cfg.max_body_bytes:
-            raise APIError(413, f"request body over {cfg.max_body_bytes} bytes")
-        try:
-            data = json.loads(raw.decode("utf-8"))
-        except UnicodeDecodeError:
-            raise APIError(400, "request body is not valid UTF-8") from None
-        except json.JSONDecodeError as e:
-            raise APIError(400, f"malformed JSON: {e}") from None
-        if not isinstance(data, dict):
-            raise APIError(400, "request body must be a JSON object")
+        ctype = request.headers.get("content-type", "application/json").split(";")[0].strip().lower()
+        if ctype not in JSON_TYPES and not ctype.endswith("+json"):
+            raise APIError(415, f"Content-Type must be application/json, got {ctype!r}")
+        data = _parse_json(await _read_body(request, cfg.max_body_bytes))
         try:
             req = model_cls.model_validate(data)
         except ValidationError as e:
             err = e.errors()[0]
             param = ".".join(str(x) for x in err["loc"])
             raise APIError(422, f"{param}: {err['msg']}", param=param) from None
+        for key in ("max_tokens", "max_completion_tokens"):
+            value = getattr(req, key, None)
+            if value is not None and value > cfg.output_cap:
+                raise APIError(422, f"{key}: must be <= {cfg.output_cap} (--max-output-tokens)", param=key)
         if req.model != cfg.served_model_name:
             raise APIError(404, f"model {req.model!r} does not exist", "not_found_error", "model")
         return req, salt
 
-    async def start(prompt: list[int], params: SamplingParams, salt: str, media=()):
-        """-> (async event iterator, first event); errors before any output become HTTP errors."""
-        agen = engine.generate(prompt, params, salt, media=media)
+    async def start(request: Request, prompt: list[int], params: SamplingParams, salt: str, media=()):
+        """-> (request id, async event iterator, first event, disconnect watcher); errors before any
+        output become HTTP errors, and a client gone before its first token raises _ClientGone."""
+        rid = engine.new_request_id()
+        watcher = asyncio.ensure_future(_watch_disconnect(request, lambda: engine.cancel(rid)))
+        agen = engine.generate(prompt, params, salt, media=media, request_id=rid)
         try:
             first = await agen.__anext__()
         except QueueFull as e:
-            raise APIError(503, str(e), "server_overloaded") from None
+            watcher.cancel()
+            retry = {"Retry-After": str(cfg.retry_after_s)}
+            raise APIError(503, str(e), "server_overloaded", headers=retry) from None
         except ValueError as e:
+            watcher.cancel()
             raise APIError(400, str(e)) from None
-        if first.error:
-            raise APIError(500, "engine failure", "server_error")
-        return agen, first
+        except BaseException:
+            watcher.cancel()
+            raise
+        if first.error or first.finish_reason == "abort":
+            watcher.cancel()
+            await agen.aclose()
+            if first.error:
+                raise _request_failed(first.error)
+            raise _ClientGone
+        return rid, agen, first, watcher
+
+    @app.exception_handler(ClientDisconnect)
+    async def _client_gone_reading(_, e):
+        return _Gone()
 
     @app.get("/health")
     async def health():
         return {"status": "ok"}
 
     @app.get("/metrics")
-    async def metrics():
-        return PlainTextResponse(R.metrics_text(engine.metrics()), media_type="text/plain; version=0.0.4")
+    async def metrics(request: Request):
+        _auth(request, cfg)
+        return PlainTextResponse(stats.text(engine.metrics()), media_type="text/plain; version=0.0.4")
+
+    @app.get("/openapi.json")
+    async def openapi(request: Request):
+        _auth(request, cfg)
+        return JSONResponse(doc)
 
     @app.get("/v1/models")
     async def models(request: Request):
         _auth(request, cfg)
         card = {"id": cfg.served_model_name, "object": "model", "created": now(), "owned_by": "k3",
-                "max_model_len": cfg.max_model_len}  # fmt: skip
+                "max_model_len": cfg.max_model_len, "vision": vision is not None}  # fmt: skip
         return {"object": "list", "data": [card]}
+
+    @app.get("/", include_in_schema=False)
+    async def page():
+        return FileResponse(STATIC / "index.html", headers={"Content-Security-Policy": PAGE_CSP})
+
+    static_files = {p.name: p for p in STATIC.iterdir() if p.is_file()}  # nothing outside this folder
+
+    @app.get("/static/{name}", include_in_schema=False)
+    async def static(name: str):
+        if name not in static_files:
+            raise APIError(404, f"no static file {name!r}", "not_found_error")
+        return FileResponse(static_files[name], headers={"Content-Security-Policy": PAGE_CSP})
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
+        t0 = time.perf_counter()
         req, salt = await parse(request, ChatCompletionRequest)
         opts = _chat_options(req)
         messages = [_message(m) for m in req.messages]
-        vision = getattr(engine.engine, "vision", None)
         urls = [] if vision is not None else None
+        tools = [t.model_dump(exclude_none=True) for t in req.tools or []]
         try:
-            segments = render(messages, req.tools, opts, images=urls)
+            segments = _render(messages, tools, opts, urls)
             images = await asyncio.to_thread(vision.load, urls) if urls else []
             prompt = vision.encode(tok, segments, images) if images else encode_segments(tok, segments)
         except ImageError as e:
             raise APIError(400, f"messages: image_url: {e} ({e.reason})", param="messages") from None
-        except (ValueError, KeyError, TypeError, AttributeError) as e:
-            raise APIError(400, f"messages: {e}", param="messages") from None
-        max_tokens = _fit(len(prompt), req.max_completion_tokens or req.max_tokens, cfg.max_model_len, 1)
+        except Exception as e:  # noqa: BLE001 - this request's messages cannot be rendered or tokenized
+            raise APIError(400, f"messages: {type(e).__name__}: {e}", param="messages") from None
+        wanted = req.max_completion_tokens or req.max_tokens or cfg.output_cap
+        max_tokens = _fit(len(prompt), wanted, cfg.max_model_len, 1)
         top = (req.top_logprobs or 0) if req.logprobs else None
         media = await asyncio.to_thread(vision.spans, prompt, images) if images else ()
-        agen, first = await start(prompt, _params(req, max_tokens, logprobs=top), salt, media)
-        rid, ctx = (
-            new_id("chatcmpl"),
-            (tok, cfg.served_model_name, len(prompt), opts.thinking, req.stop_list()),
-        )
-        if req.stream:
-            include = bool((req.stream_options or {}).get("include_usage"))
-            return StreamingResponse(
-                _chat_stream(agen, first, rid, ctx, include), media_type="text/event-stream"
+        try:
+            rid, agen, first, watcher = await start(
+                request, prompt, _params(req, max_tokens, logprobs=top), salt, media
             )
-        return await _chat_full(agen, first, rid, ctx, top is not None)
+        except _ClientGone:
+            return _Gone()
+        ctx = (tok, cfg.served_model_name, len(prompt), opts.thinking, req.stop_list())
+        timing = _Timing(stats, t0)
+        if req.stream:
+            include = bool(req.stream_options and req.stream_options.include_usage)
+            body = _chat_stream(_events(agen, first, timing), first, new_id("chatcmpl"), ctx, include)
+            return StreamingResponse(_guarded(body, watcher), media_type="text/event-stream")
+        try:
+            return await _chat_full(_events(agen, first, timing), new_id("chatcmpl"), ctx, top is not None)
+        except _ClientGone:
+            return _Gone()
+        finally:
+            watcher.cancel()
 
     @app.post("/v1/completions")
     async def completions(request: Request):
+        t0 = time.perf_counter()
         req, salt = await parse(request, CompletionRequest)
         prompt = _completion_prompt(tok, req.prompt)
-        max_tokens = _fit(len(prompt), 16 if req.max_tokens is None else req.max_tokens, cfg.max_model_len, 0)
+        wanted = cfg.output_cap if req.max_tokens is None else req.max_tokens
+        max_tokens = _fit(len(prompt), wanted, cfg.max_model_len, 0)
         lp = req.logprobs
         params = _params(
             req, max_tokens, logprobs=lp, prompt_logprobs=lp if (req.echo and lp is not None) else None
         )
-        agen, first = await start(prompt, params, salt)
-        rid, ctx = new_id("cmpl"), (tok, cfg.served_model_name, prompt, req)
+        try:
+            rid, agen, first, watcher = await start(request, prompt, params, salt)
+        except _ClientGone:
+            return _Gone()
+        ctx = (tok, cfg.served_model_name, prompt, req)
+        timing = _Timing(stats, t0)
         if req.stream:
-            return StreamingResponse(
-                _completion_stream(agen, first, rid, ctx), media_type="text/event-stream"
-            )
-        return await _completion_full(agen, first, rid, ctx)
+            include = bool(req.stream_options and req.stream_options.include_usage)
+            body = _completion_stream(_events(agen, first, timing), new_id("cmpl"), ctx, include)
+            return StreamingResponse(_guarded(body, watcher), media_type="text/event-stream")
+        try:
+            return await _completion_full(_events(agen, first, timing), new_id("cmpl"), ctx)
+        except _ClientGone:
+            return _Gone()
+        finally:
+            watcher.cancel()
 
     return app
 
 
+# ---- the ASGI guard: status counts, and a 500 for anything unexpected ------------------------------------
+class _Guard:
+    """Counts every response by route and status (a client gone before any byte: 499) and turns an
+    exception that escaped a route into a 500 OpenAI error (or, after the response started, a logged
+    line: the stream already ended with an error event or was cut by the client)."""
+
+    def __init__(self, app, stats: ServerMetrics):
+        self.app, self.stats = app, stats
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        status = None
+
+        async def counted(message):
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, counted)
+        except (KeyboardInterrupt, SystemExit, asyncio.CancelledError, GeneratorExit):
+            raise
+        except BaseException as e:  # noqa: BLE001 - incl. Rust panics (a BaseException) in a tokenizer
+            if status is None:
+                error = error_body(f"internal error: {type(e).__name__}", "server_error", None, 500)
+                body = json.dumps(error)
+                status = 500
+                await send({"type": "http.response.start", "status": 500,
+                            "headers": [(b"content-type", b"application/json")]})  # fmt: skip
+                await send({"type": "http.response.body", "body": body.encode()})
+            print(f"k3 serve: {scope.get('path')}: {type(e).__name__}: {e}", file=sys.stderr)
+        finally:
+            self.stats.count_response(scope.get("path", ""), 499 if status is None else status)
+
+
+class _ClientGone(Exception):
+    """The client hung up; its request was cancelled."""
+
+
+async def _watch_disconnect(request: Request, on_gone) -> None:
+    """Wait for the client to hang up (the body is already read, so the next ASGI message is the
+    disconnect), then call `on_gone`. Cancelled when the response is complete."""
+    try:
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                on_gone()
+                return
+    except (OSError, RuntimeError):  # the connection is already gone
+        on_gone()
+
+
+async def _read_body(request: Request, cap: int) -> bytes:
+    """The body, refused with 413 as soon as it passes `cap` bytes (a chunked body has no length)."""
+    too_big = APIError(413, f"request body over {cap} bytes", headers={"Connection": "close"})
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > cap:
+        raise too_big
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > cap:
+            raise too_big
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _reject_constant(name: str):
+    raise ValueError(f"{name} is not JSON")
+
+
+def _parse_json(raw: bytes) -> dict:
+    """Strict JSON: UTF-8, no NaN / Infinity, no lone surrogate escapes, an object at the top."""
+    try:
+        data = json.loads(raw.decode("utf-8"), parse_constant=_reject_constant)
+    except UnicodeDecodeError:
+        raise APIError(400, "request body is not valid UTF-8") from None
+    except ValueError as e:  # json.JSONDecodeError is a ValueError
+        raise APIError(400, f"malformed JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise APIError(400, "request body must be a JSON object")
+    bad = _surrogate_path(data, "")
+    if bad is not None:
+        raise APIError(400, f"{bad or 'body'}: a lone UTF-16 surrogate is not valid Unicode", param=bad)
+    return data
+
+
+def _surrogate_path(obj, path: str) -> str | None:
+    """The path of the first string (key or value) holding a lone surrogate, else None."""
+    if isinstance(obj, str):
+        try:
+            obj.encode("utf-8")
+        except UnicodeEncodeError:
+            return path
+        return None
+    if isinstance(obj, dict):
+        items = obj.items()
+    elif isinstance(obj, list):
+        items = ((str(i), v) for i, v in enumerate(obj))
+    else:
+        return None
+    for k, v in items:
+        name = str(k).encode("utf-8", "backslashreplace").decode()  # printable in the error message
+        sub = f"{path}.{name}" if path else name
+        found = _surrogate_path(k, sub) or _surrogate_path(v, sub)
+        if found is not None:
+            return found
+    return None
+
+
 # ---- request helpers ----------------------------------------------------------------------------------
 def _auth(request: Request, cfg: ServeConfig) -> str:
-    """Check the bearer key (when the server has one) -> the tenant salt."""
+    """Check the bearer key in constant time (when the server has one) -> the tenant salt."""
     header = request.headers.get("authorization", "")
     key = header[7:].strip() if header.lower().startswith("bearer ") else ""
-    if cfg.api_key is not None and key != cfg.api_key:
-        raise APIError(401, "invalid or missing API key", "authentication_error")
+    if cfg.api_key is not None:
+        # header text is latin-1 (HTTP bytes); compare the bytes the client sent with the key's UTF-8
+        given = key.encode("latin-1", "replace")
+        if not hmac.compare_digest(given, cfg.api_key.encode("utf-8", "surrogateescape")):
+            challenge = {"WWW-Authenticate": "Bearer"}
+            raise APIError(401, "invalid or missing API key", "authentication_error", headers=challenge)
     return key
 
 
-def _fit(prompt_len: int, max_tokens: int | None, max_model_len: int, min_tokens: int) -> int:
-    if prompt_len > max_model_len:
-        raise APIError(400, f"prompt has {prompt_len} tokens; the context is {max_model_len}", param="prompt")
-    if max_tokens is None:
-        max_tokens = max_model_len - prompt_len
-    if max_tokens < min_tokens or prompt_len + max_tokens > max_model_len:
+def _fit(prompt_len: int, max_tokens: int, max_model_len: int, min_tokens: int) -> int:
+    """Output tokens to allow: `max_tokens` cut to the context's room; a prompt leaving less room than
+    `min_tokens` is a 400 naming both counts."""
+    room = max_model_len - prompt_len
+    if room < min_tokens:
         raise APIError(
             400,
-            f"max_tokens={max_tokens} out of range: need {min_tokens} <= max_tokens <= "
-            f"{max_model_len - prompt_len} for a {prompt_len}-token prompt",
-            param="max_tokens",
+            f"prompt has {prompt_len} tokens; the context is {max_model_len} tokens"
+            + (f" and needs room for {min_tokens} output token" if min_tokens else ""),
+            param="messages" if min_tokens else "prompt",
         )
-    return max_tokens
+    return min(max_tokens, room)
+
+
+def _request_failed(error: str) -> APIError:
+    reason = error.strip().splitlines()[-1][:300] if error.strip() else "engine failure"
+    return APIError(500, f"this request failed: {reason}", "server_error")
 
 
 def _params(req, max_tokens: int, logprobs=None, prompt_logprobs=None) -> SamplingParams:
@@ -213,14 +437,28 @@ def _params(req, max_tokens: int, logprobs=None, prompt_logprobs=None) -> Sampli
 
 
 def _chat_options(req: ChatCompletionRequest) -> ChatOptions:
-    kw = req.chat_template_kwargs or {}
+    kw = req.chat_template_kwargs
+    effort = req.reasoning_effort or (kw.thinking_effort if kw else None) or "max"
     try:
-        opts = ChatOptions(thinking=bool(kw.get("thinking", True)),
-                           thinking_effort=req.reasoning_effort or kw.get("thinking_effort", "max"),
-                           preserve_thinking=bool(kw.get("preserve_thinking", True)))  # fmt: skip
+        return ChatOptions(thinking=kw.thinking if kw else True, thinking_effort=effort,
+                           preserve_thinking=kw.preserve_thinking if kw else True)  # fmt: skip
     except ValueError as e:
         raise APIError(400, str(e), param="reasoning_effort") from None
-    return opts
+
+
+def _render(messages: list[dict], tools: list[dict], opts: ChatOptions, urls: list | None):
+    """The prompt's segments. A tool result that names no tool and answers no call of the turn before
+    it (the chat format needs one of the two) is rendered as the result of a tool named "unknown"
+    rather than refused: the schema cannot say which ids the earlier turn used."""
+    try:
+        return render(messages, tools, opts, images=urls)
+    except ValueError as e:
+        if "tool message" not in str(e):
+            raise
+    named = [{**m, "name": "unknown"} if m["role"] == "tool" and "name" not in m else m for m in messages]
+    if urls:
+        urls.clear()
+    return render(named, tools, opts, images=urls)
 
 
 def _message(m) -> dict:
@@ -233,40 +471,87 @@ def _message(m) -> dict:
 def _completion_prompt(tok, prompt) -> list[int]:
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
         prompt = prompt[0]
-    elif isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
-        raise APIError(400, "only one prompt per request is supported", param="prompt")
-    ids = tok.encode(prompt, allow_special=True) if isinstance(prompt, str) else list(prompt)
+    if isinstance(prompt, str):
+        try:
+            ids = tok.encode(prompt, allow_special=True)
+        except Exception as e:  # noqa: BLE001 - this prompt cannot be tokenized: its request alone fails
+            why = f"{type(e).__name__}: {e}"
+            raise APIError(400, f"prompt: cannot be tokenized ({why})", param="prompt") from None
+    else:
+        ids = list(prompt)
     if not ids:
         raise APIError(400, "prompt is empty", param="prompt")
     if any(not 0 <= t < tok.vocab_size for t in ids):
-        raise APIError(400, f"prompt token ids must be in [0, {tok.vocab_size})", param="prompt")
+        raise APIError(422, f"prompt: token ids must be in [0, {tok.vocab_size})", param="prompt")
     return ids
 
 
 # ---- response builders ----------------------------------------------------------------------------
-async def _events(agen, first):
+class _Timing:
+    """Arrival, first-token and last-token times of one request, for the latency histograms."""
+
+    def __init__(self, stats: ServerMetrics, start: float):
+        self.stats, self.start, self.first, self.tokens = stats, start, None, 0
+
+    def saw(self, n_tokens: int) -> None:
+        if n_tokens and self.first is None:
+            self.first = time.perf_counter()
+        self.tokens += n_tokens
+
+    def done(self) -> None:
+        self.stats.observe_request(self.start, self.first, time.perf_counter(), self.tokens)
+
+
+async def _events(agen, first, timing: _Timing):
+    """The request's events from the first on; a cancelled one (client gone) raises _ClientGone."""
     try:
-        yield first
-        async for ev in agen:
+        ev = first
+        while True:
+            if ev.finish_reason == "abort" and not ev.error:
+                raise _ClientGone
+            timing.saw(len(ev.new_tokens))
             yield ev
+            if ev.finished:
+                timing.done()
+                return
+            ev = await agen.__anext__()
+    except StopAsyncIteration:
+        return
     finally:
         await agen.aclose()  # aborts the request if it did not finish (client went away)
 
 
-async def _collect(agen, first):
+async def _guarded(body, watcher):
+    """A stream's chunks; an unexpected failure ends it with an error event and [DONE] instead of a
+    cut connection, and the disconnect watcher stops with the stream."""
+    try:
+        async for chunk in body:
+            yield chunk
+    except _ClientGone:
+        return
+    except Exception as e:  # noqa: BLE001 - the status line is sent; report in the stream
+        print(f"k3 serve: stream: {type(e).__name__}: {e}", file=sys.stderr)
+        yield R.sse(error_body(f"internal error: {type(e).__name__}", "server_error", None, 500))
+        yield "data: [DONE]\n\n"
+    finally:
+        watcher.cancel()
+        await body.aclose()
+
+
+async def _collect(events):
     tokens, lps, last = [], [], None
-    async for ev in _events(agen, first):
+    async for ev in events:
         if ev.error:
-            raise APIError(500, "engine failure", "server_error")
+            raise _request_failed(ev.error)
         tokens += ev.new_tokens
         lps += ev.logprobs
         last = ev
     return tokens, lps, last
 
 
-async def _chat_full(agen, first, rid, ctx, want_logprobs: bool):
+async def _chat_full(events, rid, ctx, want_logprobs: bool):
     tok, model, n_prompt, thinking, _ = ctx
-    tokens, lps, last = await _collect(agen, first)
+    tokens, lps, last = await _collect(events)
     parsed = parse_generation(last.text, thinking)
     message = {
         "role": "assistant",
@@ -282,14 +567,16 @@ async def _chat_full(agen, first, rid, ctx, want_logprobs: bool):
     )
 
 
-async def _chat_stream(agen, first, rid, ctx, include_usage: bool):
+async def _chat_stream(events, first, rid, ctx, include_usage: bool):
+    """SSE chunks of a chat completion: role, reasoning / content deltas, tool calls, finish, usage.
+    `first` is the first event (also the first `events` yields); kept for callers that pass it."""
     tok, model, n_prompt, thinking, stops = ctx
     yield R.sse(R.chat_chunk(rid, model, {"role": "assistant", "content": ""}))
     sent = {"reasoning_content": "", "content": ""}
     n_out = 0
-    async for ev in _events(agen, first):
+    async for ev in events:
         if ev.error:
-            yield R.sse(error_body("engine failure", "server_error"))
+            yield R.sse(error_body(_request_failed(ev.error).message, "server_error", None, 500))
             break
         n_out += len(ev.new_tokens)
         parsed = parse_generation(ev.text if ev.finished else _stable(ev.text, stops), thinking)
@@ -311,9 +598,9 @@ async def _chat_stream(agen, first, rid, ctx, include_usage: bool):
     yield "data: [DONE]\n\n"
 
 
-async def _completion_full(agen, first, rid, ctx):
+async def _completion_full(events, rid, ctx):
     tok, model, prompt, req = ctx
-    tokens, lps, last = await _collect(agen, first)
+    tokens, lps, last = await _collect(events)
     text = (tok.decode(prompt) if req.echo else "") + last.text
     logprobs = None
     if req.logprobs is not None:
@@ -322,14 +609,15 @@ async def _completion_full(agen, first, rid, ctx):
     return R.completion_response(rid, model, text, last.finish_reason, use, logprobs)
 
 
-async def _completion_stream(agen, first, rid, ctx):
+async def _completion_stream(events, rid, ctx, include_usage: bool = False):
     tok, model, prompt, req = ctx
     if req.echo:
         yield R.sse(R.completion_response(rid, model, tok.decode(prompt), None, None))
-    sent = ""
-    async for ev in _events(agen, first):
+    sent, n_out = "", 0
+    async for ev in events:
+        n_out += len(ev.new_tokens)
         if ev.error:
-            yield R.sse(error_body("engine failure", "server_error"))
+            yield R.sse(error_body(_request_failed(ev.error).message, "server_error", None, 500))
             break
         stable = ev.text if ev.finished else _stable(ev.text, req.stop_list())
         if len(stable) > len(sent) and stable.startswith(sent):
@@ -337,6 +625,9 @@ async def _completion_stream(agen, first, rid, ctx):
             sent = stable
         if ev.finished:
             yield R.sse(R.completion_response(rid, model, "", ev.finish_reason, None))
+            if include_usage:
+                use = R.usage(len(prompt), n_out, ev.cached_tokens)
+                yield R.sse({**R.completion_response(rid, model, "", None, use), "choices": []})
     yield "data: [DONE]\n\n"
 
 

@@ -7,7 +7,11 @@ import threading
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("checkpoint", help="checkpoint directory (config.json, safetensors, tokenizer files)")
+    parser.add_argument(
+        "checkpoint",
+        help="checkpoint directory (config.json, safetensors, tokenizer files), or a `k3 train` run "
+        "directory (its newest model: the latest checkpoints/step-N, or the finished run's files)",
+    )
     parser.add_argument("--max-model-len", type=int, default=8192, help="context length (prompt + output)")
     parser.add_argument(
         "--num-pages", type=int, default=None, help="MLA pages (default: fits 4 x max-model-len)"
@@ -36,13 +40,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY`")
     parser.add_argument("--served-model-name", default="kimi-k3")
     parser.add_argument("--max-pending", type=int, default=256, help="requests in flight before 503")
-    parser.add_argument("--max-body-bytes", type=int, default=4 << 20)
+    parser.add_argument(
+        "--max-output-tokens",
+        type=int,
+        default=None,
+        help="max_tokens limit per request and its default (default: the context length)",
+    )
+    parser.add_argument("--max-body-bytes", type=int, default=4 << 20, help="request body limit (413)")
+    parser.add_argument(
+        "--max-header-bytes", type=int, default=16 << 10, help="request line + headers limit (400)"
+    )
     parser.add_argument("--shutdown-after", type=float, default=None, help=argparse.SUPPRESS)  # tests
 
 
 def build_engine(args):
     from k3.infer.config import EngineConfig
+    from k3.train.checkpointing import model_dir
 
+    args.checkpoint = str(model_dir(args.checkpoint))
     n = args.max_model_len
     pages = args.num_pages or -(-4 * n // args.page_size)
     cfg = EngineConfig(page_size=args.page_size, prefix_unit=min(64, args.page_size), num_pages=pages,
@@ -101,9 +116,12 @@ def run(args) -> int:
     from k3.serve.app import ServeConfig, create_app
 
     aengine = AsyncEngine(build_engine(args), max_pending=args.max_pending)
-    cfg = ServeConfig(args.served_model_name, args.api_key, args.max_model_len, args.max_body_bytes)
-    server = uvicorn.Server(uvicorn.Config(create_app(aengine, cfg), host=args.host, port=args.port,
-                                           log_level="warning"))  # fmt: skip
+    cfg = ServeConfig(args.served_model_name, args.api_key, args.max_model_len, args.max_body_bytes,
+                      max_output_tokens=args.max_output_tokens)  # fmt: skip
+    # h11 caps the request line + headers (uvicorn's httptools backend has no such limit)
+    config = uvicorn.Config(create_app(aengine, cfg), host=args.host, port=args.port, log_level="warning",
+                            http="h11", h11_max_incomplete_event_size=args.max_header_bytes)  # fmt: skip
+    server = uvicorn.Server(config)
     if args.shutdown_after:
         threading.Timer(args.shutdown_after, lambda: setattr(server, "should_exit", True)).start()
     try:

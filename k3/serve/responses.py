@@ -86,16 +86,3 @@ def completion_response(rid: str, model: str, text: str, finish: str | None, use
     if use is not None:
         body["usage"] = use
     return body
-
-
-def metrics_text(m: dict) -> str:
-    """Prometheus text exposition of the engine counters."""
-    rows = [("k3_requests_total", "counter", m["requests"]),
-            ("k3_prompt_tokens_total", "counter", m["prompt_tokens"]),
-            ("k3_generation_tokens_total", "counter", m["generated_tokens"]),
-            ("k3_prefix_cache_queried_tokens_total", "counter", m["prefix_cache_queried_tokens"]),
-            ("k3_prefix_cache_hit_tokens_total", "counter", m["prefix_cache_hit_tokens"]),
-            ("k3_preemptions_total", "counter", m["preemptions"]),
-            ("k3_num_requests_running", "gauge", m["running"]),
-            ("k3_num_requests_waiting", "gauge", m["waiting"])]  # fmt: skip
-    return "".join(f"# TYPE {name} {kind}\n{name} {value}\n" for name, kind, value in rows)

@@ -181,6 +181,19 @@ def resolve_checkpoint(path: str | Path) -> Path:
     return dirs[-1]
 
 
+def model_dir(path: str | Path) -> Path:
+    """Where to load a model from (`k3 eval`, `k3 sample`, `k3 serve`): a checkpoint directory as given;
+    a run directory -> its newest model: the latest complete ``checkpoints/step-N``, or the run's own
+    files when they are newer (a finished run writes them after its last checkpoint). A run killed
+    before it finished has only its checkpoints."""
+    p = Path(path)
+    dirs = step_dirs(p)
+    own = p / "model.safetensors"
+    if not dirs or (own.exists() and own.stat().st_mtime >= (dirs[-1] / "model.safetensors").stat().st_mtime):
+        return p
+    return dirs[-1]
+
+
 def read_trainer_state(ckpt_dir: str | Path) -> dict:
     """The trainer part of train_state.json (counters, data position, TrainConfig)."""
     return json.loads((Path(ckpt_dir) / STATE_JSON).read_text())["trainer"]

@@ -11,7 +11,6 @@ import argparse
 import json
 import os
 import sys
-from pathlib import Path
 
 from k3.train.config import TrainConfig
 
@@ -206,13 +205,13 @@ def _eval_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data", help="corpus whose validation split to use (default: the run's, else stdlib)")
     p.add_argument("--seq-len", type=int, help="default: the run's (else 256)")
     p.add_argument("--batch-size", type=int, help="default: the run's (else 8)")
-    p.add_argument("--tokens", type=int, help="validation tokens to score (default: the run's eval_tokens)")
+    p.add_argument("--tokens", type=int, help="validation tokens to score (default: all of the split)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
 def _sample_args(p: argparse.ArgumentParser) -> None:
     p.description = "Sample a continuation from a checkpoint directory."
-    p.add_argument("dir", help="checkpoint directory")
+    p.add_argument("dir", help="checkpoint directory (a run directory or checkpoints/step-N)")
     p.add_argument("--prompt", default="def ", help="text to continue")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.8, help="0: greedy")
@@ -224,8 +223,9 @@ def _load(dir_: str):
     """(model, config, tokenizer, run TrainConfig or None) from a checkpoint directory."""
     from k3.checkpoint import load_checkpoint
     from k3.tokenizer import K3Tokenizer
+    from k3.train.checkpointing import model_dir
 
-    d = Path(dir_)
+    d = model_dir(dir_)  # a run directory: its newest model (a killed run has only checkpoints)
     if not (d / "config.json").exists():
         raise ValueError(f"dir: {d} holds no config.json (not a checkpoint directory)")
     model, config = load_checkpoint(d)
@@ -258,7 +258,7 @@ def run_eval(args: argparse.Namespace) -> int:
         tok.eos_id,
         seq_len=seq_len,
         batch_size=batch,
-        max_tokens=args.tokens or run.eval_tokens,
+        max_tokens=args.tokens,  # None: the whole split, as the run's final evaluation
         bf16=run.bf16,
     )
     res["data"] = data or "stdlib"

@@ -26,11 +26,6 @@ def raw_post(url: str, body: bytes, key: str = "sk-test") -> tuple[int, dict]:
         return e.code, json.loads(e.read())
 
 
-def metrics(server: str) -> dict:
-    text = urllib.request.urlopen(server + "/metrics", timeout=10).read().decode()
-    return {ln.split()[0]: float(ln.split()[1]) for ln in text.splitlines() if ln and not ln.startswith("#")}
-
-
 def test_models_and_health(client, server):
     assert [m.id for m in client.models.list()] == [MODEL]
     assert json.loads(urllib.request.urlopen(server + "/health").read()) == {"status": "ok"}
@@ -80,7 +75,8 @@ def test_completions_text_ids_echo_logprobs(client):
     assert all(x <= 0 for x in lp.token_logprobs[1:]) and score.usage.completion_tokens == 0
 
 
-def test_prefix_cache_metrics(client, server):
+def test_prefix_cache_metrics(client, server, scrape):
+    metrics = scrape
     before = metrics(server)
     prompt = list(range(20, 150))
     for _ in range(2):
@@ -109,15 +105,17 @@ def test_error_classes(client, server, case):
         "model": 404,
         "types": 422,
         "too_long": 400,
-        "max_tokens": 400,
+        "max_tokens": 422,  # above --max-output-tokens (the context by default): the schema's maximum
         "big": 413,
-        "seed": 400,
+        "seed": 422,
     }
     expected = expected[case]
     with pytest.raises(openai.APIStatusError) as e:
         base.completions.create(**kw)
     assert e.value.status_code == expected
     assert e.value.body["message"] and "type" in e.value.body  # OpenAI error JSON
+    if case == "too_long":  # the token counts
+        assert "1100 tokens" in e.value.body["message"] and "1024" in e.value.body["message"]
 
 
 def test_malformed_bodies(server):
@@ -131,7 +129,8 @@ def test_malformed_bodies(server):
     assert raw_post(server + "/v1/nothing", b"{}")[0] == 404
 
 
-def test_queue_full_then_disconnect_frees_slots(client, server):
+def test_queue_full_then_disconnect_frees_slots(client, server, scrape):
+    metrics = scrape
     kw = dict(model=MODEL, prompt="the fox", max_tokens=200, temperature=0, stream=True,
               extra_body={"ignore_eos": True})  # fmt: skip
     streams = [client.completions.create(**kw) for _ in range(2)]

@@ -24,7 +24,7 @@ def test_chat_stream_deltas_concatenate_to_the_final_text():
     events = [Event([1], False, text=t) for t in texts[:-1]] + [Event([1], True, "stop", text=texts[-1])]
 
     async def agen():
-        for e in events[1:]:
+        for e in events:
             yield e
 
     async def collect():
