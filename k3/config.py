@@ -19,6 +19,17 @@ default, so an official config stays byte-for-byte official:
     mla_latent_norm_eps  eps of q_a/kv_a latent norms; SPEC §8.2 conflict -> we follow vLLM (rms_norm_eps)
 
 `hidden_act` selects the GLU: "situ" (K3's SiTU-GLU, SPEC §3.6) or "silu" (SwiGLU).
+
+Release layout. `to_hf()` always writes the released three-level file: the wrapper
+(`architectures: ["KimiK3ForConditionalGeneration"]`, `model_type: "kimi_k3"`, token ids, dtype) around
+`text_config` (`architectures: ["KimiLinearForCausalLM"]`, `model_type: "kimi_linear"`), so llama.cpp's
+converter and vLLM pick their K3 class from any file k3 writes. A bare text config still loads.
+
+Invariants. Construction rejects what no K3 engine can run: KDA and MLA head counts differ (llama.cpp and
+vLLM size both from `num_attention_heads`), a non-sigmoid router, MXFP4 experts whose widths are not
+whole 32-element blocks. The ablation switches stay constructible (`k3 ablate` trains them), but the
+release format cannot express them: `release_problems()` names each one, and every exporter refuses a
+config that has any.
 """
 
 from __future__ import annotations
@@ -26,12 +37,18 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 PRESET_DIR = Path(__file__).parent / "presets"
 PRESETS = ("k3-nano", "k3-tiny", "k3-small", "k3-full")
+
+WRAPPER_ARCHITECTURE = "KimiK3ForConditionalGeneration"
+WRAPPER_MODEL_TYPE = "kimi_k3"
+TEXT_ARCHITECTURE = "KimiLinearForCausalLM"
+MX_BLOCK = 32  # elements per MX block scale (OCP MX v1.0)
 
 _ACTS = ("situ", "silu")
 _BIAS_UPDATES = ("quantile", "sign")
@@ -40,6 +57,11 @@ _BIAS_UPDATES = ("quantile", "sign")
 def _check(cond: bool, key: str, msg: str) -> None:
     if not cond:
         raise ValueError(f"config key '{key}': {msg}")
+
+
+def _is_mxfp4(quantization_config: dict | None) -> bool:
+    q = quantization_config
+    return isinstance(q, dict) and q.get("format") == "mxfp4-pack-quantized"
 
 
 def _positive_int(value: Any, key: str) -> None:
@@ -247,6 +269,44 @@ class K3Config:
             "must be a boolean",
         )
         self.linear_attn_config.validate(self.num_hidden_layers)
+        _check(
+            self.linear_attn_config.num_heads == self.num_attention_heads,
+            "linear_attn_config.num_heads",
+            f"KDA heads ({self.linear_attn_config.num_heads}) must equal the MLA heads "
+            f"(num_attention_heads={self.num_attention_heads}): K3 engines size both from one head count",
+        )
+        if _is_mxfp4(self.quantization_config):
+            for key, width in (
+                ("moe_intermediate_size", self.moe_intermediate_size),
+                ("routed_expert_hidden_size", self.expert_width),
+            ):
+                _check(width % MX_BLOCK == 0, key, f"MXFP4 experts need multiples of {MX_BLOCK}, got {width}")
+
+    # ---- release format ------------------------------------------------------------------------
+    def release_problems(self) -> list[str]:
+        """What the released K3 format (and so llama.cpp's kimi-k3 and vLLM) cannot express, one line per
+        departure, each naming its config key; empty for every K3 preset."""
+        checks = (
+            (self.mla_use_nope, "mla_use_nope", "RoPE MLA (K3's MLA is NoPE)"),
+            (self.hidden_act == "situ", "hidden_act", f"{self.hidden_act!r} experts (K3 uses 'situ')"),
+            (self.use_attn_res, "use_attn_res", "a plain residual stream (K3 uses Block AttnRes)"),
+            (self.use_latent_moe, "use_latent_moe", "full-width experts (K3 uses LatentMoE)"),
+            (self.moe_layer_freq == 1, "moe_layer_freq", "MoE on every k-th layer only (K3: every layer)"),
+            (self.mla_use_output_gate, "mla_use_output_gate", "MLA without its output gate"),
+            (self.linear_attn_config.use_full_rank_gate, "linear_attn_config.use_full_rank_gate",
+             "a low-rank KDA output gate (K3's is full rank)"),
+            (self.num_nextn_predict_layers == 0, "num_nextn_predict_layers", "MTP layers"),
+        )
+        return [f"{key}: {what}" for ok, key, what in checks if not ok]
+
+    def check_release(self, what: str = "export") -> None:
+        """Raise ValueError naming every key that the release format cannot express."""
+        problems = self.release_problems()
+        if problems:
+            raise ValueError(
+                f"cannot {what} this config in the K3 release format (an ablation variant?): "
+                + "; ".join(problems)
+            )
 
     # ---- layer pattern -------------------------------------------------------------------------
     def is_kda_layer(self, i: int) -> bool:
@@ -303,7 +363,8 @@ class K3Config:
             raise ValueError(f"bad config: {e}") from e
 
     def to_hf(self, text_only: bool = False) -> dict:
-        """The config.json dict; wrapped in the multimodal layout if it was loaded from one."""
+        """The config.json dict in the release layout (the wrapper around `text_config`, SPEC §1.1);
+        `text_only` gives the bare `text_config`."""
         defaults = {f.name: f.default for f in dataclasses.fields(K3Config)}
         ext = (
             "use_attn_res",
@@ -325,12 +386,26 @@ class K3Config:
             if f.name == "quantization_config" and v is None:
                 continue
             d[f.name] = v.to_hf() if f.name == "linear_attn_config" else copy.deepcopy(v)
+        d.setdefault("architectures", [TEXT_ARCHITECTURE])
         d = dict(sorted(d.items()))
-        if self.wrapper is None or text_only:
+        if text_only:
             return d
-        out = copy.deepcopy(self.wrapper)
+        out = copy.deepcopy(self.wrapper) if self.wrapper is not None else self._default_wrapper()
+        # the wrapper repeats these text keys; keep them equal to what the text model stores
+        for key in ("bos_token_id", "eos_token_id", "pad_token_id", "dtype", "tie_word_embeddings"):
+            out[key] = d.get(key)
         out["text_config"] = d
         return dict(sorted(out.items()))
+
+    def _default_wrapper(self) -> dict:
+        """The release's top-level keys for a config that was not loaded from a wrapped file."""
+        return {
+            "architectures": [WRAPPER_ARCHITECTURE],
+            "model_type": WRAPPER_MODEL_TYPE,
+            "ignore_index": -100,
+            "media_placeholder_token_id": self.vocab_size - 256 + 21,  # <|media_pad|> (SPEC §6.1)
+            "image_placeholder": "<|kimi_image_placeholder|>",
+        }
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_hf(), indent=2, sort_keys=True) + "\n")
@@ -346,7 +421,20 @@ class K3Config:
             data = json.loads(p.read_text())
         except json.JSONDecodeError as e:
             raise ValueError(f"{p} is not valid JSON: {e}") from e
-        return cls.from_hf(data)
+        config = cls.from_hf(data)
+        if isinstance(data, dict) and "text_config" not in data:
+            warnings.warn(
+                f"{p} is a bare text config (no {WRAPPER_ARCHITECTURE} wrapper around text_config); k3 "
+                "reads it, but llama.cpp and vLLM need the release layout: rewrite it with "
+                f"`k3 export {p.parent} --format hf --out DIR`",
+                BareConfigWarning,
+                stacklevel=2,
+            )
+        return config
+
+
+class BareConfigWarning(UserWarning):
+    """A config.json in the pre-release bare layout (text config only) was loaded."""
 
 
 # ---- presets -------------------------------------------------------------------------------------
@@ -415,9 +503,9 @@ def preset(name: str) -> K3Config:
     """A named configuration: k3-nano (tests), k3-tiny (CPU demo), k3-small (one GPU), k3-full (release)."""
     if name == "k3-full":
         return K3Config.load(PRESET_DIR / "k3-full.json")
-    if name == "k3-nano":  # < 2M parameters: unit tests
+    if name == "k3-nano":  # < 2M parameters: unit tests; 1024 ids leave room for 512 BPE merges
         return _small_preset(
-            vocab=512,
+            vocab=1024,
             d=64,
             layers=4,
             kda_heads=2,
@@ -458,6 +546,7 @@ def preset(name: str) -> K3Config:
             block=4,
         )
     if name == "k3-small":  # ~0.5B parameters: a GPU user's first run
+        # MLA at the release's head dims (latent 512 + 64): vLLM's K3 MLA kernels take only those
         return _small_preset(
             vocab=32768,
             d=1024,
@@ -466,7 +555,7 @@ def preset(name: str) -> K3Config:
             kda_dim=128,
             mla_heads=8,
             q_lora=512,
-            kv_lora=256,
+            kv_lora=512,
             nope=128,
             rope=64,
             v=128,

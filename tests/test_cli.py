@@ -31,7 +31,7 @@ def test_params_table_and_config_path(capsys, tmp_path):
     table = capsys.readouterr().out
     assert main(["params", str(tmp_path)]) == 0  # a checkpoint directory works too
     assert capsys.readouterr().out.splitlines()[1:] == table.splitlines()[1:]
-    assert "288,814" in table and "routed_experts" in table
+    assert "354,350" in table and "routed_experts" in table
 
 
 def test_bad_preset_is_exit_2_with_message(capsys):

@@ -66,6 +66,7 @@ def save_checkpoint(
     if meta:
         raise ValueError(f"cannot save tensors on the meta device: {short_list(meta)}")
     shards = plan_shards({n: _nbytes(n, t, dtype) for n, t in tensors.items()}, max_shard_bytes)
+    config = config.replace(dtype=stored_dtype_name(tensors, dtype, config.dtype))
     out_dir = Path(out_dir)
     with _atomic_dir(out_dir) as tmp:
         _write_text(tmp / CONFIG_NAME, json.dumps(config.to_hf(), indent=2, sort_keys=True) + "\n")
@@ -101,6 +102,25 @@ def plan_shards(sizes: dict[str, int], max_shard_bytes: int) -> dict[str, list[s
         return {SINGLE_NAME: groups[0]}
     n = len(groups)
     return {f"model-{i + 1:05d}-of-{n:05d}.safetensors": g for i, g in enumerate(groups)}
+
+
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def stored_dtype_name(tensors: dict[str, torch.Tensor], dtype: torch.dtype | None, default: str) -> str:
+    """config.json's `dtype`: what the weights are stored as (the release's F32 tensors aside).
+
+    The most common floating dtype (by element count) among the tensors that follow the checkpoint dtype, so an
+    FP32 run says "float32" and a BF16 export "bfloat16" (MXFP4 experts are uint8 and do not count).
+    """
+    counts: dict[torch.dtype, int] = {}
+    for name, t in tensors.items():
+        target = _target_dtype(name, t, dtype)
+        if target.is_floating_point and not is_f32_tensor(name):
+            counts[target] = counts.get(target, 0) + t.numel()
+    if not counts:
+        return default
+    return _DTYPE_NAMES.get(max(counts, key=counts.get), default)
 
 
 def _target_dtype(name: str, t: torch.Tensor, dtype: torch.dtype | None) -> torch.dtype:

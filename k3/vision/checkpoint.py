@@ -22,7 +22,7 @@ PREPROCESSOR_NAME = "preprocessor_config.json"
 
 
 def _wrapped_text_config(config: K3VLConfig):
-    wrapper = dict(config.text.wrapper or {"model_type": "kimi_k3"})
+    wrapper = {k: v for k, v in config.text.to_hf().items() if k != "text_config"}
     wrapper["vision_config"] = config.vision.to_hf()
     wrapper.setdefault("media_placeholder_token_id", config.media_pad_id)
     wrapper.setdefault("image_placeholder", IMAGE_PLACEHOLDER)

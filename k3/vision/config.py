@@ -283,9 +283,7 @@ class K3VLConfig:
 
     def to_hf(self) -> dict:
         """The multimodal config.json dict (the text config wrapped, `vision_config` from `self.vision`)."""
-        text = self.text.to_hf(text_only=True)
-        out = copy.deepcopy(self.text.wrapper) if self.text.wrapper else {"model_type": "kimi_k3"}
-        out["text_config"] = text
+        out = self.text.to_hf()  # the release wrapper around text_config
         out["vision_config"] = self.vision.to_hf()
         out.setdefault("media_placeholder_token_id", self.media_pad_id)
         out.setdefault("image_placeholder", IMAGE_PLACEHOLDER)

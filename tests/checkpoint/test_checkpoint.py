@@ -197,7 +197,11 @@ def test_save_load_round_trip_unsharded(tmp_path):
     sd["model.layers.0.mlp.up_proj.weight"] = sd["model.layers.0.mlp.up_proj.weight"].float()  # a mix
     out = save_checkpoint(sd, NANO, tmp_path / "ckpt")
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
-    assert json.loads((out / "config.json").read_text()) == NANO.to_hf()
+    # the release layout, saying what is stored: BF16 for all but the one FP32 matrix and the F32 tensors
+    written = json.loads((out / "config.json").read_text())
+    assert written == NANO.replace(dtype="bfloat16").to_hf()
+    assert written["architectures"] == ["KimiK3ForConditionalGeneration"] and written["dtype"] == "bfloat16"
+    assert written["text_config"]["model_type"] == "kimi_linear"
     assert_same(load_state_dict_from_dir(out), sd)
     with safe_open(str(out / "model.safetensors"), "pt") as f:
         assert set(f.keys()) == set(to_official(sd, NANO))
@@ -373,3 +377,15 @@ def test_save_refuses_to_replace_other_directories(tmp_path):
     with pytest.raises(ValueError, match="meta device"):
         save_checkpoint(fake_state_dict(NANO, device="meta"), NANO, tmp_path / "c")
     assert not Path(tmp_path / "c").exists()
+
+
+def test_bare_text_config_loads_with_a_warning_naming_the_difference(tmp_path):
+    from k3.config import BareConfigWarning, K3Config
+
+    out = save_checkpoint(fake_state_dict(NANO), NANO, tmp_path / "ckpt")
+    (out / "config.json").write_text(json.dumps(NANO.to_hf(text_only=True)))  # the pre-release layout
+    with pytest.warns(BareConfigWarning, match="KimiK3ForConditionalGeneration"):
+        model, config = load_checkpoint(out)
+    assert config == NANO and sum(p.numel() for p in model.parameters()) > 0
+    with pytest.warns(BareConfigWarning):
+        assert K3Config.load(out).to_hf()["architectures"] == ["KimiK3ForConditionalGeneration"]

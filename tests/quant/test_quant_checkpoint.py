@@ -52,11 +52,11 @@ def spec_decode(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 def test_quantization_config_is_the_releases():
     assert mxfp4_quantization_config() == preset("k3-full").quantization_config
-    q = with_mxfp4_config(NANO).to_hf()["quantization_config"]
+    q = with_mxfp4_config(NANO).to_hf()["text_config"]["quantization_config"]  # inside, as released
     assert q["quant_method"] == "compressed-tensors" and q["format"] == "mxfp4-pack-quantized"
     assert q["config_groups"]["group_0"]["weights"]["group_size"] == 32
     wrapped = with_mxfp4_config(
-        K3Config.from_hf({"architectures": ["X"], "text_config": NANO.to_hf()})
+        K3Config.from_hf({"architectures": ["X"], "text_config": NANO.to_hf(text_only=True)})
     ).to_hf()
     assert "quantization_config" in wrapped["text_config"] and "quantization_config" not in wrapped
     assert NANO.quantization_config is None
@@ -111,7 +111,7 @@ def test_bad_inputs_are_named(nano):
 def test_save_reload_reexport_bit_exact(nano, tmp_path):
     save_mxfp4_checkpoint(nano, NANO, tmp_path / "a", dtype=torch.bfloat16)
     cfg = json.loads((tmp_path / "a" / "config.json").read_text())
-    assert cfg["quantization_config"] == mxfp4_quantization_config()
+    assert cfg["text_config"]["quantization_config"] == mxfp4_quantization_config()
     stored = load_official_tensors(tmp_path / "a")
     base = EXPERT.format(L=1, e=0, w="w1")
     assert stored[base + ".weight_packed"].dtype == torch.uint8 and base + ".weight" not in stored

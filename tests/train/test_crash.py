@@ -70,7 +70,7 @@ def test_sigkill_during_save_keeps_the_previous_checkpoint(make_tc, tmp_path):
     assert [d.name for d in step_dirs(run)] == ["step-00000002"]
     latest = resolve_checkpoint(run)
     model, config = load_checkpoint(latest)
-    assert config.vocab_size == 512 and sum(p.numel() for p in model.parameters()) > 0
+    assert config.vocab_size == 1024 and sum(p.numel() for p in model.parameters()) > 0
     # the next run resumes from step 2 and cleans the debris up
     Trainer(make_tc(steps=3), resume=run, quiet=True).run(measure_peak=False)
     assert [d.name for d in step_dirs(run)] == ["step-00000002", "step-00000003"]

@@ -45,7 +45,7 @@ def test_run_dir_is_a_loadable_checkpoint(trained):
     for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
         assert (out / name).exists(), name
     model, config = load_checkpoint(out)
-    assert config.vocab_size == 512
+    assert config.vocab_size == 1024
     ids = torch.randint(0, 256, (1, 8))
     assert torch.isfinite(model(ids).logits).all()
     biases = [b for n, b in model.named_buffers() if n.endswith("e_score_correction_bias")]

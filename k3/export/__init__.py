@@ -1,0 +1,4 @@
+"""Exports for other engines: the release's safetensors layout (`hf`) and llama.cpp's GGUF (`gguf`).
+
+`k3 export` (k3/export/cli.py) is the command; docs/interop.md is the user's page.
+"""
