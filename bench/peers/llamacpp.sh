@@ -63,7 +63,8 @@ int main(void) {
 }
 C
 if grep -qw amx_tile /proc/cpuinfo 2>/dev/null; then
-    if ! { cc -O1 -mamx-tile -o "$PROBE" "$PROBE.c" 2>/dev/null && "$PROBE" 2>/dev/null; }; then
+    # the probe runs in a subshell so that its SIGILL is reported by its exit code alone
+    if ! { cc -O1 -mamx-tile -o "$PROBE" "$PROBE.c" 2>/dev/null && (bash -c "'$PROBE'" 2>/dev/null); }; then
         echo "AMX is advertised but not usable here: building without AMX"
         EXTRA_FLAGS="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
     fi
