@@ -68,6 +68,7 @@ class ServeConfig:
     max_body_bytes: int = 4 << 20
     retry_after_s: int = 1  # the 503's Retry-After
     max_output_tokens: int | None = None  # per request (422 above it; the default); None: the context
+    max_header_bytes: int = 16 << 10  # request line + headers (431 above it)
 
     @property
     def output_cap(self) -> int:
@@ -105,7 +106,7 @@ def create_app(engine: AsyncEngine, cfg: ServeConfig) -> FastAPI:
     stats = ServerMetrics()
     doc = build_openapi(cfg.served_model_name, engine.engine.vocab_size, cfg.output_cap,
                         vision is not None, cfg.api_key is not None)  # fmt: skip
-    app.add_middleware(_Guard, stats=stats)
+    app.add_middleware(_Guard, stats=stats, max_header_bytes=cfg.max_header_bytes)
 
     @app.exception_handler(APIError)
     async def _api_error(_, e: APIError):
@@ -280,12 +281,22 @@ class _Guard:
     exception that escaped a route into a 500 OpenAI error (or, after the response started, a logged
     line: the stream already ended with an error event or was cut by the client)."""
 
-    def __init__(self, app, stats: ServerMetrics):
-        self.app, self.stats = app, stats
+    def __init__(self, app, stats: ServerMetrics, max_header_bytes: int):
+        self.app, self.stats, self.max_header_bytes = app, stats, max_header_bytes
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        size = len(scope.get("raw_path") or b"") + len(scope.get("query_string") or b"")
+        size += sum(len(k) + len(v) + 4 for k, v in scope["headers"])
+        if size > self.max_header_bytes:  # h11 caps only a header block that arrives in pieces
+            error = error_body(f"request line + headers over {self.max_header_bytes} bytes",
+                               "invalid_request_error", None, 431)  # fmt: skip
+            headers = [(b"content-type", b"application/json"), (b"connection", b"close")]
+            await send({"type": "http.response.start", "status": 431, "headers": headers})
+            await send({"type": "http.response.body", "body": json.dumps(error).encode()})
+            self.stats.count_response(scope.get("path", ""), 431)
+            return
         status = None
 
         async def counted(message):

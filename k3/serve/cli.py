@@ -48,7 +48,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--max-body-bytes", type=int, default=4 << 20, help="request body limit (413)")
     parser.add_argument(
-        "--max-header-bytes", type=int, default=16 << 10, help="request line + headers limit (400)"
+        "--max-header-bytes", type=int, default=16 << 10, help="request line + headers limit (431)"
     )
     parser.add_argument("--shutdown-after", type=float, default=None, help=argparse.SUPPRESS)  # tests
 
@@ -117,7 +117,8 @@ def run(args) -> int:
 
     aengine = AsyncEngine(build_engine(args), max_pending=args.max_pending)
     cfg = ServeConfig(args.served_model_name, args.api_key, args.max_model_len, args.max_body_bytes,
-                      max_output_tokens=args.max_output_tokens)  # fmt: skip
+                      max_output_tokens=args.max_output_tokens,
+                      max_header_bytes=args.max_header_bytes)  # fmt: skip
     # h11 caps the request line + headers (uvicorn's httptools backend has no such limit)
     config = uvicorn.Config(create_app(aengine, cfg), host=args.host, port=args.port, log_level="warning",
                             http="h11", h11_max_incomplete_event_size=args.max_header_bytes)  # fmt: skip

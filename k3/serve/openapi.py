@@ -23,6 +23,7 @@ ERRORS = {
     413: "request body over --max-body-bytes",
     415: "a body that is not application/json",
     422: "a field of the wrong type or out of its range",
+    431: "request line + headers over --max-header-bytes",
     500: "a failure inside this request (the server keeps serving the others)",
     503: "more requests in flight than --max-pending; retry after the Retry-After seconds",
 }
@@ -109,7 +110,7 @@ def build_openapi(
                         "ending in `data: [DONE]`",
                         "content": {**_json(resp), **sse(chunk)},
                     },
-                    **_errors(400, *auth, 404, 413, 415, 422, 500, 503),
+                    **_errors(400, *auth, 404, 413, 415, 422, 431, 500, 503),
                 },
             }
         }

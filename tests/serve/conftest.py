@@ -122,3 +122,9 @@ def scrape():
 def idle():
     """idle(url, timeout) -> metrics once every IDLE gauge is 0 (`wait_idle`)."""
     return wait_idle
+
+
+@pytest.fixture(scope="session")
+def launch():
+    """launch(checkpoint, *flags) -> a started `Server`."""
+    return Server
