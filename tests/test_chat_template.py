@@ -6,6 +6,8 @@ tokenized as one string with the markers allowed (the chat path's `encode(allow_
 import copy
 import json
 import os
+import shutil
+import subprocess
 from pathlib import Path
 
 import jinja2
@@ -108,16 +110,25 @@ def _hf_env(case_sensitive_dictsort: bool = False) -> ImmutableSandboxedEnvironm
     return env
 
 
-def _bundled_template_source() -> str:
-    root = Path(os.environ.get("K3_PEERS") or Path.home() / ".cache" / "k3" / "peers") / "llama.cpp-0.3.36"
-    path = root / "src" / "vendor" / "llama.cpp" / "models" / "templates" / "Kimi-K3.jinja"
+def _peer_root() -> Path:
+    return Path(os.environ.get("K3_PEERS") or Path.home() / ".cache" / "k3" / "peers") / "llama.cpp-0.3.36"
+
+
+def _peer_missing(what: str, path: Path):
+    if os.environ.get("K3_SKIP_PEERS") == "1":
+        pytest.skip(f"K3_SKIP_PEERS=1: the llama.cpp peer's {what} is not used")
+    pytest.fail(f"the llama.cpp peer's {what} is missing ({path}); build it with `{BUILD_COMMAND}`")
+
+
+def _bundled_template_path() -> Path:
+    path = _peer_root() / "src" / "vendor" / "llama.cpp" / "models" / "templates" / "Kimi-K3.jinja"
     if not path.exists():
-        if os.environ.get("K3_SKIP_PEERS") == "1":
-            pytest.skip("K3_SKIP_PEERS=1: the llama.cpp peer's bundled Kimi-K3.jinja is not compared")
-        pytest.fail(
-            f"the llama.cpp peer's Kimi-K3.jinja is missing ({path}); build it with `{BUILD_COMMAND}`"
-        )
-    return path.read_text(encoding="utf-8")
+        _peer_missing("Kimi-K3.jinja", path)
+    return path
+
+
+def _bundled_template_source() -> str:
+    return _bundled_template_path().read_text(encoding="utf-8")
 
 
 def _template_kwargs(messages, tools, opts: dict, generation: bool) -> dict:
@@ -207,3 +218,80 @@ def test_bundled_template_under_jinja2_orders_keys_ignoring_case():
     )
     assert ours == text and '"Units":' in text and text.index('"Units":') < text.index('"city":')
     assert bundled != text and bundled.index('"city":') < bundled.index('"Units":')
+
+
+# A small program on llama.cpp's own chat code (common_chat_templates_apply, its Jinja engine, its
+# message normalisation): renders argv[1] (a template) for each case of argv[2] (a JSON list).
+_RENDER_CPP = r"""
+#include "chat.h"
+#include <fstream>
+#include <iostream>
+#include <sstream>
+static std::string slurp(const char * p) {
+    std::ifstream f(p); std::stringstream s; s << f.rdbuf(); return s.str();
+}
+int main(int, char ** argv) {
+    auto templates = common_chat_templates_init(nullptr, slurp(argv[1]));
+    for (const auto & c : common_json::parse(slurp(argv[2]))) {
+        common_chat_templates_inputs in;
+        in.messages = common_chat_msgs_parse_oaicompat(c.at("messages"));
+        if (!c.at("tools").is_null()) in.tools = common_chat_tools_parse_oaicompat(c.at("tools"));
+        in.add_generation_prompt = c.at("add_generation_prompt").get<bool>();
+        in.enable_thinking = c.at("enable_thinking").get<bool>();
+        for (const auto & kv : c.at("kwargs").items()) in.chat_template_kwargs[kv.key()] = kv.value().dump();
+        try { std::cout << common_chat_templates_apply(templates.get(), in).prompt; }
+        catch (const std::exception & e) { std::cout << "ERROR: " << e.what(); }
+        std::cout << "\n\x1e\n";
+    }
+}
+"""
+
+
+def _llamacpp_renderer(tmp: Path) -> Path:
+    """The program above, compiled against the peer's headers and libllama-common."""
+    root = _peer_root()
+    if not (root / "READY").exists():
+        _peer_missing("build", root / "READY")
+    compiler = shutil.which("g++") or shutil.which("c++")
+    if compiler is None:
+        pytest.fail(
+            "a C++ compiler (g++) is needed to drive llama.cpp's template engine: apt-get install g++"
+        )
+    src, exe, llama = tmp / "render.cpp", tmp / "render", root / "src" / "vendor" / "llama.cpp"
+    src.write_text(_RENDER_CPP)
+    includes = [f"-I{llama / d}" for d in ("common", "include", "ggml/include", "vendor")]
+    lib = root / "lib"
+    cmd = [compiler, "-std=c++17", *includes, str(src), "-o", str(exe), f"-L{lib}", f"-Wl,-rpath,{lib}"]
+    subprocess.run(cmd + ["-lllama-common", "-lllama"], check=True, capture_output=True)
+    return exe
+
+
+def test_both_templates_in_llamacpps_engine(tmp_path):
+    """llama.cpp itself (its Jinja engine and message handling) renders our template and the bundled one
+    as chat_format does, on the conversations its message model carries: no user / assistant names, no
+    images, no mid-conversation tool declarations, every tool with a description (it adds an empty one),
+    tool-call arguments that are JSON (it refuses others)."""
+    exe = _llamacpp_renderer(tmp_path)
+    cases, want = [], []
+    for name, messages, tools, opts, generation in _cases():
+        if name.startswith(("names", "images", "new_tools")):
+            continue
+        messages, tools = copy.deepcopy(messages), copy.deepcopy(tools)
+        for t in tools or []:
+            t["function"].setdefault("description", "")
+        messages = [m for m in messages if m.get("tool_call_id") != "call_3"]
+        for m in messages:
+            if m.get("tool_calls"):
+                m["tool_calls"] = [c for c in m["tool_calls"] if c["id"] != "call_3"]
+        thinking = ChatOptions(**opts).thinking
+        cases.append(dict(messages=messages, tools=tools, add_generation_prompt=generation,
+                          enable_thinking=thinking, kwargs=opts))  # fmt: skip
+        want.append(to_text(render(messages, tools, ChatOptions(**opts), generation)))
+    (tmp_path / "cases.json").write_text(json.dumps(cases))
+    (tmp_path / "ours.jinja").write_text(chat_template())
+    for template in (tmp_path / "ours.jinja", _bundled_template_path()):
+        run = subprocess.run(
+            [exe, template, tmp_path / "cases.json"], capture_output=True, text=True, check=True
+        )
+        assert run.stdout.split("\n\x1e\n")[:-1] == want, template.name
+    assert len(want) >= 30
