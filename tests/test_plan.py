@@ -73,7 +73,7 @@ def test_activation_formula_by_hand_nano():
     assert layer_activation_bytes(c, 1) == int(kda + moe + 2 * 6 * 64)
     none, full = activation_bytes_per_token(c, "none"), activation_bytes_per_token(c, "full")
     assert full < none
-    assert full == 2 * 64 * (4 + 3) + max(layer_activation_bytes(c, i) for i in range(4)) + 6 * 512
+    assert full == 2 * 64 * (4 + 3) + max(layer_activation_bytes(c, i) for i in range(4)) + 6 * c.vocab_size
 
 
 def test_bad_inputs():

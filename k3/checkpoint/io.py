@@ -110,8 +110,8 @@ _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.floa
 def stored_dtype_name(tensors: dict[str, torch.Tensor], dtype: torch.dtype | None, default: str) -> str:
     """config.json's `dtype`: what the weights are stored as (the release's F32 tensors aside).
 
-    The most common floating dtype (by element count) among the tensors that follow the checkpoint dtype, so an
-    FP32 run says "float32" and a BF16 export "bfloat16" (MXFP4 experts are uint8 and do not count).
+    The most common floating dtype (by element count) among the tensors that follow the checkpoint
+    dtype, so an FP32 run says "float32" and a BF16 export "bfloat16" (MXFP4 experts, uint8, do not count).
     """
     counts: dict[torch.dtype, int] = {}
     for name, t in tensors.items():

@@ -6,7 +6,7 @@ Quantile-Balancing router updates); `k3 train --task vision` runs it with the k3
     k3 train --task vision --preset k3-tiny-vl --steps 1500 --batch-size 32 --out runs/tiny-vl
 
 Each sample is a chat turn in the XTML format with thinking off (`k3.chat_format`): the user message is
-`<|kimi_image_placeholder|>\\n{question}` (expanded to the media tokens, SPEC §5.4), and the loss is on the
+`<|kimi_image_placeholder|>{question}` (expanded to the media tokens, SPEC §5.4), and the loss is on the
 assistant's response (`{answer}<|close|>response<|sep|><|close|>message<|sep|><|end_of_msg|>`), so the
 trained checkpoint answers through the same chat rendering the server uses. A fraction of samples ask
 for the caption instead (`describe the image.`), trained but not scored.
@@ -46,7 +46,7 @@ class Encoded:
 
 
 def user_message(question: str) -> dict:
-    return {"role": "user", "content": f"{IMAGE_PLACEHOLDER}\n{question}"}
+    return {"role": "user", "content": f"{IMAGE_PLACEHOLDER}{question}"}
 
 
 def encode_example(tok: K3Tokenizer, config: K3VLConfig, question: str, answer: str | None, image) -> Encoded:

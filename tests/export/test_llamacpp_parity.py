@@ -100,12 +100,12 @@ def test_greedy_continuations_agree(report):
         assert run["identical"] or run["margin_at_divergence"] < 1e-4, run
 
 
-@pytest.mark.parametrize(
-    "outtype, top1, kl", [("bf16", 0.99, 1e-3), ("q8_0", 0.99, 1e-3), ("mxfp4", 0.99, 1e-3)]
-)
-def test_quantized_ggufs_track_k3_at_the_same_precision(report, outtype, top1, kl):
+@pytest.mark.parametrize("outtype", ["bf16", "q8_0", "mxfp4"])
+def test_quantized_ggufs_track_k3_at_the_same_precision(report, outtype):
+    """Rounding, not a layout error: a misplaced block or scale gives near-random picks (top-1 < 0.5)."""
     s = report["outtypes"][outtype]
-    assert s["top1"] >= top1 and s["mean_kl"] <= kl, s
+    assert s["top1"] >= 0.95 and s["mean_kl"] <= 2e-3, s
+    assert abs(s["ppl_k3"] / s["ppl_llama"] - 1) <= 0.01, s
 
 
 def test_llama_completion_runs_a_k3_gguf(trained, llamacpp, tmp_path):

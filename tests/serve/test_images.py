@@ -178,7 +178,7 @@ def test_image_hash_keys_the_prefix_cache(vl_server, vl_checkpoint):
     tok = K3Tokenizer.from_dir(vl_checkpoint)
     n_img = num_image_tokens(112, 112, _media())
     segs = render(image_message(png_url((0, 0, 0)))[:1] + [{"role": "user", "content": IMAGE_PLACEHOLDER
-                  + "\nwhat colour is the square?"}], options=ChatOptions(thinking=False))  # fmt: skip
+                  + "what colour is the square?"}], options=ChatOptions(thinking=False))  # fmt: skip
     ids = encode_segments_with_images(tok, segs, [((112, 112), n_img)])
     pad_start = ids.index(MediaIds.of(tok).pad)
     a, b = png_url((250, 200, 10)), png_url((10, 200, 250))
