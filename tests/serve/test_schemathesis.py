@@ -11,7 +11,7 @@ import sys
 API_KEY = "sk-test"
 
 # A context with room for what the fuzzer generates and a small output cap, so the run stays short.
-FUZZ_SERVER = ("--api-key", API_KEY, "--max-model-len", "2048", "--max-output-tokens", "32", "--page-size",
+FUZZ_SERVER = ("--api-key", API_KEY, "--max-model-len", "8192", "--max-output-tokens", "32", "--page-size",
                "16", "--max-num-seqs", "8", "--max-pending", "64")  # fmt: skip
 
 
