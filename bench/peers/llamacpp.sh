@@ -4,10 +4,11 @@
 # The source is the llama.cpp tree vendored in the llama-cpp-python 0.3.36 source distribution on
 # PyPI. Only what the benchmarks and the parity test need is built: the shared libllama (driven from
 # Python through the sdist's own ctypes bindings), llama-completion / llama-cli, llama-perplexity,
-# llama-server, llama-quantize and llama-tokenize. Tests, examples and the server's web UI are off.
+# llama-server, llama-bench, llama-quantize and llama-tokenize. Tests, examples and the web UI are off.
 #
 # Output: ${K3_PEERS:-~/.cache/k3/peers}/llama.cpp-0.3.36/{bin,lib,src,READY}. A finished build is
-# reused; delete the folder to rebuild. First build: about 15-25 minutes on 2 cores.
+# reused (a missing tool is built incrementally); delete the folder to rebuild from scratch. First
+# build: 5-25 minutes on 2 cores.
 set -euo pipefail
 
 VERSION=0.3.36
@@ -15,7 +16,12 @@ ROOT="${K3_PEERS:-$HOME/.cache/k3/peers}"
 DEST="$ROOT/llama.cpp-$VERSION"
 JOBS="${JOBS:-$(nproc)}"
 
-if [[ -f "$DEST/READY" ]]; then
+TARGETS=(llama llama-completion llama-cli llama-perplexity llama-server llama-bench llama-quantize llama-tokenize)
+have_all() {
+    [[ -f "$DEST/READY" ]] || return 1
+    for t in "${TARGETS[@]:1}"; do [[ -x "$DEST/bin/$t" ]] || return 1; done
+}
+if have_all; then
     echo "llama.cpp peer present: $DEST"
     exit 0
 fi
@@ -78,7 +84,6 @@ cmake -S "$LLAMA" -B "$BUILD" -DCMAKE_BUILD_TYPE=Release \
     -DCMAKE_C_FLAGS="$EXTRA_FLAGS" -DCMAKE_CXX_FLAGS="$EXTRA_FLAGS" \
     -DLLAMA_BUILD_NUMBER=0 >"$DEST/configure.log" 2>&1 || { tail -30 "$DEST/configure.log"; exit 1; }
 
-TARGETS=(llama llama-completion llama-cli llama-perplexity llama-server llama-quantize llama-tokenize)
 echo "building ${TARGETS[*]} with $JOBS jobs (log: $DEST/build.log)"
 start=$(date +%s)
 cmake --build "$BUILD" --config Release -j "$JOBS" --target "${TARGETS[@]}" >"$DEST/build.log" 2>&1 \
