@@ -187,7 +187,7 @@ def test_error_headers(busy):
 
 
 def test_queue_full_answers_503_with_retry_after_and_recovers(server):
-    """The session server holds 2 requests in flight (--max-pending 2)."""
+    """conftest's shared server holds 2 requests in flight (--max-pending 2)."""
     socks = []
     for _ in range(2):
         body = json.dumps(completion(max_tokens=500, stream=True)).encode()

@@ -195,7 +195,8 @@ def test_image_hash_keys_the_prefix_cache(vl_server, vl_checkpoint):
 def test_text_only_server_refuses_images(server):
     body = {"model": MODEL, "max_tokens": 2, "messages": image_message(png_url((1, 2, 3)))}
     req = urllib.request.Request(server + "/v1/chat/completions", data=json.dumps(body).encode(),
-                                 method="POST", headers={"Authorization": "Bearer sk-test"})  # fmt: skip
+                                 method="POST", headers={"Authorization": "Bearer sk-test",
+                                                          "Content-Type": "application/json"})  # fmt: skip
     with pytest.raises(urllib.error.HTTPError) as e:
         urllib.request.urlopen(req, timeout=30)
     assert e.value.code == 400 and "image_url" in json.loads(e.value.read())["error"]["message"]
