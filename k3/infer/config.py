@@ -13,7 +13,10 @@ class EngineConfig:
     prompt's final token is captured inside the prompt's last chunk (k3.model.state.KDAState.capture_at)
     instead of ending a chunk there, which costs a second, short forward per prompt. `compile` compiles
     the batch-1 decode step into one graph (k3.infer.decode_step) and fuses the SiTU activations of
-    prefill (k3.ops.glu.fused_activations): a C++ compiler at run time, tens of seconds once."""
+    prefill (k3.ops.glu.fused_activations): a C++ compiler at run time, tens of seconds once. `native`
+    runs one-token rows (decode) through the whole-model C step where the model qualifies
+    (k3.infer.native_decode: fp32 on the CPU, the release's K3 config); `compile` then only matters
+    where it does not."""
 
     page_size: int = 64
     num_pages: int = 512
@@ -27,6 +30,7 @@ class EngineConfig:
     snapshots_per_path: int = 4
     capture_snapshots: bool = True  # snapshot inside the last prompt chunk, not by pausing there
     compile: bool = False  # torch.compile the batch-1 decode step and the prefill activations
+    native: bool = True  # decode rows through the C step (k3.infer.native_decode) where it qualifies
 
     def __post_init__(self):
         for name in (

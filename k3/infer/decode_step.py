@@ -35,27 +35,45 @@ INDUCTOR_OPTIONS = {"post_grad_fusion_options": {"decompose_mm_pass": {}}}
 class DecodeStep:
     """Runs one-token rows of the `runner`'s pools (k3.infer.model_runner.ModelRunner)."""
 
-    def __init__(self, runner, compile: bool = False):
+    def __init__(self, runner, compile: bool = False, native: bool = False):
         self.runner, self.compile = runner, compile
         self.pages = -(-runner.config.max_model_len // runner.config.page_size)  # P
         self._compiled = None
         self.compile_seconds: float | None = None
+        self._native = native  # True until built: then the NativeDecode, or None where it cannot run
 
     def __call__(self, ids: list[int], slots: list[int], tables: list[list[int]], lengths: list[int]):
         """Python rows (token, slot, page list, cached length) -> logits [B, 1, V] fp32."""
-        dev = self.runner.device
-        padded = [t[: self.pages] + [0] * (self.pages - len(t[: self.pages])) for t in tables]
-        args = (
-            torch.tensor(ids, device=dev).view(-1, 1),
-            torch.tensor(slots, device=dev),
-            torch.tensor(padded, dtype=torch.long, device=dev),
-            torch.tensor(lengths, dtype=torch.long, device=dev),
-        )
+        native = self.native()
+        if native is not None and len(ids) <= native.max_rows:
+            return native(ids, slots, tables, lengths)
+        args = self.tensors(ids, slots, tables, lengths)
         if self.compile and len(ids) == 1:
             out = self._run_compiled(args)
             if out is not None:
                 return out
         return self.step(*args)
+
+    def tensors(self, ids: list[int], slots: list[int], tables: list[list[int]], lengths: list[int]):
+        """`step`'s arguments from Python rows: ids [B, 1], slots [B], block tables [B, P] (padded), lengths
+        [B], on the pools' device."""
+        dev = self.runner.device
+        padded = [t[: self.pages] + [0] * (self.pages - len(t[: self.pages])) for t in tables]
+        return (
+            torch.tensor(ids, device=dev).view(-1, 1),
+            torch.tensor(slots, device=dev),
+            torch.tensor(padded, dtype=torch.long, device=dev),
+            torch.tensor(lengths, dtype=torch.long, device=dev),
+        )
+
+    def native(self):
+        """The whole-model C step (k3.infer.native_decode), built on first use; None where the model
+        does not qualify or native decoding is off."""
+        if self._native is True:
+            from k3.infer.native_decode import NativeDecode
+
+            self._native = NativeDecode.build(self.runner)
+        return self._native or None
 
     def step(self, ids, slots, block_tables, lengths) -> torch.Tensor:
         """The eager step (module docstring); tensors on the pools' device."""

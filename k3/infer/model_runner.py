@@ -49,7 +49,7 @@ class ModelRunner:
                 width = mc.kv_lora_rank + mc.qk_rope_head_dim
                 rows = config.num_pages * config.page_size
                 self.mla[i] = torch.zeros(rows, width, device=self.device, dtype=self.dtype)
-        self.decode = DecodeStep(self, compile=config.compile)
+        self.decode = DecodeStep(self, compile=config.compile, native=config.native)
         self.snapshot_nbytes = sum(
             t[0].numel() * t.element_size() for d in self.kda.values() for t in d.values()
         )

@@ -31,6 +31,8 @@ FLAGS = (
     "-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=fast",
     "-shared", "-fPIC", "-std=c11",
 )  # fmt: skip
+# kernels that run a thread team of their own (OpenMP; the whole-model decode step)
+EXTRA_FLAGS = {"decode_step": ("-fopenmp",)}
 _lock = threading.Lock()
 _libs: dict[str, ctypes.CDLL | None] = {}
 
@@ -121,9 +123,10 @@ def _build_and_load(name: str) -> ctypes.CDLL | None:
     cc = compiler()
     if cc is None:
         return _unavailable(name, "no C compiler found (set CC, or install gcc)")
-    path = _cache_dir() / _key(source, cc) / f"lib{name}.so"
+    flags = (*FLAGS, *EXTRA_FLAGS.get(name, ()))
+    path = _cache_dir() / _key(source, cc, flags) / f"lib{name}.so"
     if not path.exists():
-        error = _compile(cc, source, path)
+        error = _compile(cc, source, path, flags)
         if error:
             return _unavailable(name, error)
     try:
@@ -132,7 +135,7 @@ def _build_and_load(name: str) -> ctypes.CDLL | None:
         return _unavailable(name, f"loading {path} failed: {e}")
 
 
-def _compile(cc: str, source: Path, path: Path) -> str | None:
+def _compile(cc: str, source: Path, path: Path, flags: tuple[str, ...]) -> str | None:
     """Compile to a temporary file beside `path`, then rename it into place (concurrent builders, e.g.
     the ranks of one job, each write their own file; the last rename wins, all with the same bytes)."""
     try:
@@ -142,10 +145,10 @@ def _compile(cc: str, source: Path, path: Path) -> str | None:
     except OSError as e:  # e.g. a read-only home: no cache, no kernel
         return f"cannot write the kernel cache {path.parent}: {e}"
     try:
-        cmd = [cc, *FLAGS, "-I", str(source.parent), "-o", tmp, str(source)]
+        cmd = [cc, *flags, "-I", str(source.parent), "-o", tmp, str(source)]
         run = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
         if run.returncode != 0:
-            return f"`{cc} {' '.join(FLAGS)} {source.name}` failed: {run.stderr.strip()[-500:]}"
+            return f"`{cc} {' '.join(flags)} {source.name}` failed: {run.stderr.strip()[-500:]}"
         os.replace(tmp, path)
         return None
     except (OSError, subprocess.TimeoutExpired) as e:
@@ -164,11 +167,11 @@ def _cache_dir() -> Path:
     return Path(os.environ.get("K3_CACHE_DIR") or "~/.cache/k3").expanduser() / "native"
 
 
-def _key(source: Path, cc: str) -> str:
+def _key(source: Path, cc: str, flags: tuple[str, ...]) -> str:
     h = hashlib.sha256(source.read_bytes())
     for header in sorted(source.parent.glob("*.h")):
         h.update(header.read_bytes())
-    h.update(" ".join((cc, *FLAGS, platform.machine(), _cpu_flags())).encode())
+    h.update(" ".join((cc, *flags, platform.machine(), _cpu_flags())).encode())
     return h.hexdigest()[:16]
 
 

@@ -14,7 +14,8 @@ from k3.infer.paged_attention import paged_mla_decode
 from k3.infer.sequence import SamplingParams
 from k3.ops.mla import causal_mask, mla_attention_absorbed
 
-CFG = dict(page_size=16, prefix_unit=16, num_pages=24, max_model_len=160, max_num_seqs=4)
+# native=False: these test the torch step (the native C step is tests/infer/test_native_decode.py)
+CFG = dict(page_size=16, prefix_unit=16, num_pages=24, max_model_len=160, max_num_seqs=4, native=False)
 GREEDY = SamplingParams(max_tokens=24, ignore_eos=True, logprobs=3)
 
 

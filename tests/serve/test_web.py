@@ -5,7 +5,6 @@ tmp dir (and into $K3_SCREENSHOT_DIR when set)."""
 
 import os
 import shutil
-import time
 
 import pytest
 
@@ -51,21 +50,19 @@ def test_page_streams_stops_and_shows_thinking(browser, checkpoint, launch, idle
         page.fill("#max-tokens", "48")
         page.fill("#temperature", "0")
         page.fill("#input", "the quick brown fox")
+        # every length the reply has on screen, recorded on each DOM change (no polling: a fast server
+        # can stream a whole reply between two polls)
+        page.evaluate(
+            "() => { window.__lens = new Set(); new MutationObserver(() => {"
+            " const m = [...document.querySelectorAll('.msg.assistant')].pop(); if (!m) return;"
+            " window.__lens.add(m.querySelector('.thought').textContent.length"
+            " + m.querySelector('.content').textContent.length) })"
+            ".observe(document.body, {subtree: true, childList: true, characterData: true}) }"
+        )
         page.press("#input", "Enter")
-
-        def reply_len() -> int:
-            return page.evaluate(
-                "() => { const m = [...document.querySelectorAll('.msg.assistant')].pop(); if (!m) return 0;"
-                " return m.querySelector('.thought').textContent.length"
-                " + m.querySelector('.content').textContent.length }"
-            )
-
-        seen = set()
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and page.locator(".msg.assistant[data-state]").count() == 0:
-            seen.add(reply_len())
-            time.sleep(0.005)
+        page.wait_for_selector(".msg.assistant[data-state]", timeout=30_000)
         assert page.locator(".msg.assistant").first.get_attribute("data-state") == "done"
+        seen = set(page.evaluate("() => [...window.__lens]"))
         assert len({n for n in seen if n > 0}) >= 2, seen  # the reply grew while it streamed
         first = page.locator(".msg.assistant").first
         assert first.locator("details.thinking").count() == 1  # thinking: a collapsible block

@@ -1,0 +1,227 @@
+"""The decode step in one C call (k3/ops/csrc/decode_step.c): the engine's fast path for one-token rows.
+
+    step = NativeDecode.build(runner)          # None when the model or machine does not qualify
+    logits = step(ids, slots, tables, lengths) # [B, 1, V] fp32, same contract as DecodeStep.__call__
+
+It computes exactly the maths of `DecodeStep.step` (the torch step, its reference: tests compare the
+two), with the engine's pools updated in place. The C side runs the whole model for the B rows: every
+weight matrix is streamed once per step for all rows, no tensor is allocated and nothing goes through
+torch's dispatcher, which is where a torch decode step spends most of its time on a CPU. It uses
+`torch.get_num_threads()` threads (an OpenMP team of its own).
+
+It qualifies for fp32 models on the CPU whose config is the release's K3 (`K3Config.release_problems()`
+empty) within the kernel's fixed buffers (head dims <= 512, latent rank <= 1024, experts <= 1024), with
+native kernels enabled and a C compiler with OpenMP; otherwise the engine keeps the torch step.
+Weights are read from the model at build time (a few derived vectors are computed once: AttnRes's
+key-norm gain times its pseudo-query, exp(A_log)), so a model changed after the engine was built needs
+a new engine.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from k3.ops import native
+
+I64, F32, PTR = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
+MAX_ROWS = 64  # rows per call; larger decode batches are matrix products torch's GEMMs do well
+
+
+class Dims(ctypes.Structure):
+    _fields_ = [
+        *((n, I64) for n in "D V L H K W HM Dn Dr Dv R Q E topk I Dl Is Id".split()),
+        *((n, I64) for n in "dense_layers block page_size pages safe_gate latent_norm renorm pad".split()),
+        *((n, F32) for n in "rms_eps latent_eps res_eps l2_eps lower_bound beta1 beta2 scaling mla_scale "
+          "kda_scale".split()),
+    ]  # fmt: skip
+
+
+_LAYER_PTRS = (
+    "attn_norm ffn_norm attn_res ffn_res "
+    "wq wk wv conv_q conv_k conv_v wfa wfb dt_bias a_exp wb wg o_norm wo "
+    "pool_conv_q pool_conv_k pool_conv_v pool_rec "
+    "wqa qa_norm wqb wkva kva_norm wkvb mg mo pool_lat "
+    "w_gate w_up w_down router router_bias lat_down lat_norm lat_up w1 w2 w3"
+).split()
+
+
+class Layer(ctypes.Structure):
+    _fields_ = [("mla", I64), ("moe", I64), *((n, PTR) for n in _LAYER_PTRS)]
+
+
+class Ends(ctypes.Structure):
+    _fields_ = [(n, PTR) for n in ("embed", "norm", "out_res", "lm_head")]
+
+
+_STEP_ARGS = [PTR, PTR, PTR, I64, PTR, PTR, PTR, PTR, PTR, PTR, I64]
+
+
+def unsupported(runner) -> str | None:
+    """Why the native step cannot run this runner's model (None: it can)."""
+    model, c = runner.model, runner.model.config
+    la = c.linear_attn_config
+    if not native.enabled():
+        return "native kernels are off (K3_NATIVE=0)"
+    if any(not native.takes(p) for p in model.parameters()) or runner.device.type != "cpu":
+        return "the model is not fp32 on the CPU"
+    from k3.model.moe import RoutedExperts
+
+    if any(type(m.experts) is not RoutedExperts for m in model.modules() if hasattr(m, "experts")):
+        return "the routed experts are not plain stacked fp32 matrices (packed MXFP4, QAT, ...)"
+    if c.release_problems():
+        return "the config is an ablation variant: " + "; ".join(c.release_problems())
+    if la.head_dim > 512 or c.kv_lora_rank > 1024 or c.qk_rope_head_dim > 256 or c.num_experts > 1024:
+        return "a dimension exceeds the kernel's buffers"
+    if c.num_hidden_layers // c.attn_res_block_size + 2 > 64 or c.num_experts_per_token > 64:
+        return "too many AttnRes blocks or experts per token"
+    return None
+
+
+class NativeDecode:
+    """The C decode step over `runner`'s model and pools (see the module docstring)."""
+
+    max_rows = MAX_ROWS
+
+    def __init__(self, runner, fn):
+        self.runner, self.fn = runner, fn
+        self._keep: list[torch.Tensor] = []  # every tensor a pointer refers to stays alive here
+        self.dims = self._dims()
+        self.layers = (Layer * self.dims.L)(*(self._layer(i) for i in range(self.dims.L)))
+        m = runner.model
+        self.ends = Ends(
+            self._ptr(m.model.embed_tokens.weight),
+            self._ptr(m.model.norm.weight),
+            self._ptr(_res_query(m.model.output_attn_res_norm, m.model.output_attn_res_proj)),
+            self._ptr(m.lm_head.weight),
+        )
+        self._scratch = torch.empty(0)
+        self._size_fn = native.function("decode_step", "k3_decode_scratch_floats", [PTR, I64, I64, I64])
+        self._size_fn.restype = I64
+
+    @classmethod
+    def build(cls, runner) -> NativeDecode | None:
+        if unsupported(runner) is not None:
+            return None
+        fn = native.function("decode_step", "k3_decode_step", _STEP_ARGS)
+        return None if fn is None else cls(runner, fn)
+
+    # ---- the call ----------------------------------------------------------------------------------
+    def __call__(self, ids: list[int], slots: list[int], tables: list[list[int]], lengths: list[int]):
+        """Python rows (token, slot, page list, cached length) -> logits [B, 1, V] fp32."""
+        B, P = len(ids), self.dims.pages
+        flat = [*ids, *slots, *lengths]
+        for t in tables:  # only the pages a row's next key can reach are read: pad the rest with 0
+            flat += t[:P]
+            flat += [0] * (P - len(t[:P]))
+        packed = torch.tensor(flat, dtype=torch.long)
+        base, step = packed.data_ptr(), packed.element_size()
+        threads = torch.get_num_threads()
+        need = self._size_fn(ctypes.byref(self.dims), B, max(lengths) + 1, threads)
+        if self._scratch.numel() < need:
+            self._scratch = torch.empty(int(need * 1.25) + 1024)
+        logits = torch.empty(B, self.dims.V)
+        self.fn(
+            ctypes.byref(self.dims), self.layers, ctypes.byref(self.ends), B,
+            base, base + B * step, base + 3 * B * step, base + 2 * B * step,
+            logits.data_ptr(), self._scratch.data_ptr(), threads,
+        )  # fmt: skip
+        return logits.view(B, 1, -1)
+
+    # ---- the tables ----------------------------------------------------------------------------------
+    def _ptr(self, t: torch.Tensor | None) -> int | None:
+        if t is None:
+            return None
+        t = t.detach()
+        if not t.is_contiguous():
+            t = t.contiguous()
+        self._keep.append(t)
+        return t.data_ptr()
+
+    def _dims(self) -> Dims:
+        c, r = self.runner.model.config, self.runner
+        la = c.linear_attn_config
+        shared = c.moe_intermediate_size * c.num_shared_experts
+        return Dims(
+            D=c.hidden_size, V=c.vocab_size, L=c.num_hidden_layers,
+            H=la.num_heads, K=la.head_dim, W=la.short_conv_kernel_size,
+            HM=c.num_attention_heads, Dn=c.qk_nope_head_dim, Dr=c.qk_rope_head_dim, Dv=c.v_head_dim,
+            R=c.kv_lora_rank, Q=c.q_lora_rank or 0,
+            E=c.num_experts, topk=c.num_experts_per_token, I=c.moe_intermediate_size, Dl=c.expert_width,
+            Is=shared, Id=c.intermediate_size, dense_layers=c.first_k_dense_replace,
+            block=c.attn_res_block_size, page_size=r.config.page_size, pages=r.decode.pages,
+            safe_gate=int(la.gate_lower_bound is not None), latent_norm=int(c.latent_moe_use_norm),
+            renorm=int(c.moe_renormalize), pad=0,
+            rms_eps=c.rms_norm_eps, latent_eps=c.latent_norm_eps, res_eps=_attn_res_eps(),
+            l2_eps=_l2_eps(), lower_bound=la.gate_lower_bound or 0.0,
+            beta1=c.activation_situ_beta, beta2=c.activation_situ_linear_beta,
+            scaling=c.routed_scaling_factor, mla_scale=c.qk_head_dim**-0.5, kda_scale=la.head_dim**-0.5,
+        )  # fmt: skip
+
+    def _layer(self, i: int) -> Layer:
+        r, layer = self.runner, self.runner.model.model.layers[i]
+        p = self._ptr
+        fields = dict(
+            attn_norm=p(layer.input_layernorm.weight),
+            ffn_norm=p(layer.post_attention_layernorm.weight),
+            attn_res=p(_res_query(layer.self_attention_res_norm, layer.self_attention_res_proj)),
+            ffn_res=p(_res_query(layer.mlp_res_norm, layer.mlp_res_proj)),
+        )
+        a = layer.self_attn
+        if i in r.kda:
+            pools = r.kda[i]
+            fields.update(
+                wq=p(a.q_proj.weight), wk=p(a.k_proj.weight), wv=p(a.v_proj.weight),
+                conv_q=p(a.q_conv1d.weight), conv_k=p(a.k_conv1d.weight), conv_v=p(a.v_conv1d.weight),
+                wfa=p(a.f_a_proj.weight), wfb=p(a.f_b_proj.weight), dt_bias=p(a.dt_bias),
+                a_exp=p(a.A_log.detach().float().exp()), wb=p(a.b_proj.weight), wg=p(a.g_proj.weight),
+                o_norm=p(a.o_norm.weight), wo=p(a.o_proj.weight),
+                pool_conv_q=pools["conv_q"].data_ptr(), pool_conv_k=pools["conv_k"].data_ptr(),
+                pool_conv_v=pools["conv_v"].data_ptr(), pool_rec=pools["recurrent"].data_ptr(),
+            )  # fmt: skip
+        else:
+            q_lora = hasattr(a, "q_a_proj")
+            fields.update(
+                wqa=p(a.q_a_proj.weight) if q_lora else None,
+                qa_norm=p(a.q_a_layernorm.weight) if q_lora else None,
+                wqb=p(a.q_b_proj.weight if q_lora else a.q_proj.weight),
+                wkva=p(a.kv_a_proj_with_mqa.weight), kva_norm=p(a.kv_a_layernorm.weight),
+                wkvb=p(a.kv_b_proj.weight), mg=p(a.g_proj.weight), mo=p(a.o_proj.weight),
+                pool_lat=r.mla[i].data_ptr(),
+            )  # fmt: skip
+        if hasattr(layer, "block_sparse_moe"):
+            moe = layer.block_sparse_moe
+            sh = moe.shared_experts
+            fields.update(
+                router=p(moe.gate.weight), router_bias=p(moe.gate.e_score_correction_bias),
+                lat_down=p(moe.routed_expert_down_proj.weight), lat_up=p(moe.routed_expert_up_proj.weight),
+                lat_norm=p(moe.routed_expert_norm.weight) if moe.routed_expert_norm is not None else None,
+                w1=p(moe.experts.w1), w2=p(moe.experts.w2), w3=p(moe.experts.w3),
+                w_gate=p(sh.gate_proj.weight) if sh else None, w_up=p(sh.up_proj.weight) if sh else None,
+                w_down=p(sh.down_proj.weight) if sh else None,
+            )  # fmt: skip
+        else:
+            mlp = layer.mlp
+            fields.update(
+                w_gate=p(mlp.gate_proj.weight), w_up=p(mlp.up_proj.weight), w_down=p(mlp.down_proj.weight)
+            )
+        return Layer(mla=int(i not in r.kda), moe=int(hasattr(layer, "block_sparse_moe")), **fields)
+
+
+def _res_query(norm, proj) -> torch.Tensor:
+    """An AttnRes mixture's score vector [D]: key-norm gain times pseudo-query (what scores the RMS-normed
+    sources, k3.ops.attnres)."""
+    return (norm.weight.detach().float() * proj.weight.detach().float()[0]).contiguous()
+
+
+def _attn_res_eps() -> float:
+    from k3.ops.attnres import ATTN_RES_EPS
+
+    return ATTN_RES_EPS
+
+
+def _l2_eps() -> float:
+    from k3.ops.kda.prep import L2NORM_EPS
+
+    return L2NORM_EPS

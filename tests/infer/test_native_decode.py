@@ -1,0 +1,162 @@
+"""The whole-model C decode step (k3.infer.native_decode) against its reference, the torch step
+(k3.infer.decode_step.DecodeStep.step): logits and every pool it writes, over ragged batches, several
+steps, variant configs and thread counts; and the engine's greedy text with it on and off."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from k3.config import preset
+from k3.infer.config import EngineConfig
+from k3.infer.engine import Engine
+from k3.infer.native_decode import NativeDecode, unsupported
+from k3.infer.sequence import SamplingParams
+from k3.model.init import init_weights
+from k3.model.transformer import K3ForCausalLM
+
+CFG = dict(page_size=16, prefix_unit=16, num_pages=40, max_model_len=320, max_num_seqs=6)
+
+
+def model_of(config, seed=0):
+    torch.manual_seed(seed)
+    model = K3ForCausalLM(config)
+    init_weights(model, 0.5, config.num_hidden_layers, seed=seed)
+    with torch.no_grad():  # non-trivial norms, AttnRes queries, gates and router biases everywhere
+        for name, p in model.named_parameters():
+            if p.ndim == 1 or "res_proj" in name:
+                p.add_(torch.randn_like(p) * 0.2)
+        for b in model.buffers():
+            b.add_(torch.randn_like(b) * 0.05)
+    return model.eval()
+
+
+NANO = preset("k3-nano")
+VARIANTS = {
+    "nano": NANO,
+    "no q_lora, softplus gate, no shared experts, no latent norm": NANO.replace(
+        q_lora_rank=None, num_shared_experts=0, latent_moe_use_norm=False,
+        linear_attn_config=dataclasses.replace(NANO.linear_attn_config, gate_lower_bound=None),
+    ),
+    "wider, top-3 of 16, 2 shared, AttnRes blocks of 3": NANO.with_layers(6).replace(
+        hidden_size=96, num_experts=16, num_experts_per_token=3, num_shared_experts=2, attn_res_block_size=3,
+    ),
+}  # fmt: skip
+
+
+def assert_rounding(ours: torch.Tensor, ref: torch.Tensor, rel: float = 3e-5) -> None:
+    """Equal to fp32 rounding: the largest difference within `rel` of the tensor's scale. The C step sums
+    in another order than torch; on these random states the torch step's own batched and one-row
+    results differ by up to 2e-5 of the scale, and both are that far from a float64 step."""
+    err, scale = (ours - ref).abs().max().item(), ref.abs().max().item()
+    assert err <= rel * max(scale, 1.0), f"max |diff| {err:.3g} at scale {scale:.3g}"
+
+
+def fill_pools(runner, seed):
+    g = torch.Generator().manual_seed(seed)
+    for pools in runner.kda.values():
+        for t in pools.values():
+            t.copy_(torch.randn(t.shape, generator=g) * 0.3)
+    for pool in runner.mla.values():
+        pool.copy_(torch.randn(pool.shape, generator=g))
+
+
+def pools_of(runner):
+    return [t.clone() for d in runner.kda.values() for t in d.values()] + [
+        p.clone() for p in runner.mla.values()
+    ]
+
+
+def set_pools(runner, saved):
+    live = [t for d in runner.kda.values() for t in d.values()] + list(runner.mla.values())
+    for t, s in zip(live, saved, strict=True):
+        t.copy_(s)
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+@pytest.mark.parametrize("rows", [1, 3])
+def test_native_step_equals_the_torch_step(name, rows):
+    engine = Engine(model_of(VARIANTS[name]), EngineConfig(**CFG))
+    r = engine.runner
+    native = NativeDecode.build(r)
+    assert native is not None, unsupported(r)
+    fill_pools(r, seed=rows)
+    start = pools_of(r)
+    ids, slots = [5, 300, 17][:rows], [2, 0, 5][:rows]
+    tables = [[3, 1, 7], [0], [2, 4]][:rows]
+    lengths = [37, 9, 20][:rows]  # ragged rows, each over its own pages
+    ref_logits, ours = [], []
+    for step in range(3):  # three steps: the second and third read what the first wrote
+        with torch.no_grad():
+            ref_logits.append(
+                r.decode.step(*r.decode.tensors(ids, slots, tables, [n + step for n in lengths]))
+            )
+    ref_pools = pools_of(r)
+    set_pools(r, start)
+    for step in range(3):
+        ours.append(native(ids, slots, tables, [n + step for n in lengths]))
+    for a, b in zip(ours, ref_logits, strict=True):
+        assert_rounding(a, b)
+    for a, b in zip(pools_of(r), ref_pools, strict=True):
+        assert_rounding(a, b)
+
+
+def test_a_row_does_not_depend_on_its_batch():
+    """Batch invariance: each row's logits and state are bit-identical alone and in any batch."""
+    engine = Engine(model_of(VARIANTS["nano"]), EngineConfig(**CFG))
+    r = engine.runner
+    native = NativeDecode.build(r)
+    fill_pools(r, seed=5)
+    start = pools_of(r)
+    rows = ([5, 300, 17], [2, 0, 5], [[3, 1, 7], [0], [2, 4]], [37, 9, 20])
+    together = native(*rows)
+    for b in range(3):
+        set_pools(r, start)
+        alone = native(*([v[b]] for v in rows))
+        assert torch.equal(alone[0], together[b])
+
+
+def test_thread_count_does_not_change_a_bit():
+    engine = Engine(model_of(VARIANTS["nano"]), EngineConfig(**CFG))
+    r = engine.runner
+    native = NativeDecode.build(r)
+    fill_pools(r, seed=7)
+    start = pools_of(r)
+    outs = []
+    n = torch.get_num_threads()
+    try:
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            set_pools(r, start)
+            outs.append((native([9, 4], [1, 3], [[5], [6, 2]], [11, 30]), pools_of(r)))
+    finally:
+        torch.set_num_threads(n)
+    for logits, pools in outs[1:]:
+        assert torch.equal(logits, outs[0][0])
+        assert all(torch.equal(a, b) for a, b in zip(pools, outs[0][1], strict=True))
+
+
+def test_engine_greedy_text_is_the_same_with_and_without_it(prompt):
+    model = model_of(VARIANTS["nano"], seed=3)
+    prompts = [prompt(40, 1), prompt(7, 2), prompt(65, 3)]
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    on = Engine(model, EngineConfig(**CFG))
+    off = Engine(model, EngineConfig(**CFG, native=False))
+    assert on.runner.decode.native() is not None and off.runner.decode.native() is None
+    assert [s.output for s in on.generate(prompts, params)] == [
+        s.output for s in off.generate(prompts, params)
+    ]
+
+
+def test_it_declines_what_it_does_not_compute(monkeypatch):
+    bf16 = Engine(model_of(VARIANTS["nano"]).to(torch.bfloat16), EngineConfig(**CFG))
+    assert "fp32" in unsupported(bf16.runner) and NativeDecode.build(bf16.runner) is None
+    ablation = Engine(model_of(NANO.replace(use_attn_res=False)), EngineConfig(**CFG))
+    assert "use_attn_res" in unsupported(ablation.runner)
+    from k3.quant.packed import pack_model_experts
+
+    packed = Engine(pack_model_experts(model_of(VARIANTS["nano"])), EngineConfig(**CFG))
+    assert "experts" in unsupported(packed.runner)
+    monkeypatch.setenv("K3_NATIVE", "0")
+    plain = Engine(model_of(VARIANTS["nano"]), EngineConfig(**CFG))
+    assert "K3_NATIVE" in unsupported(plain.runner)
