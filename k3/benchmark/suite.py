@@ -36,6 +36,7 @@ BENCHES: tuple[Bench, ...] = (
     Bench("training", "training tokens/s and MFU vs a torch.matmul peak"),
     Bench("prefix_cache", "multi-turn agent session: cache reuse and TTFT vs cache off"),
     Bench("long_context", "chunked-prefill peak memory vs the analytic bound"),
+    Bench("vs_llamacpp", "prefill / decode / serving vs llama.cpp's kimi-k3 on the same weights, roofline"),
 )  # fmt: skip
 
 
