@@ -9,9 +9,11 @@ weight matrix is streamed once per step for all rows, no tensor is allocated and
 torch's dispatcher, which is where a torch decode step spends most of its time on a CPU. It uses
 `torch.get_num_threads()` threads (an OpenMP team of its own).
 
-It qualifies for fp32 models on the CPU whose config is the release's K3 (`K3Config.release_problems()`
-empty) within the kernel's fixed buffers (head dims <= 512, latent rank <= 1024, experts <= 1024), with
-native kernels enabled and a C compiler with OpenMP; otherwise the engine keeps the torch step.
+It qualifies for fp32 models on the CPU (routed experts fp32, or MXFP4-packed by `k3.quant.packed`:
+the kernel decodes the codes in registers, never expanding them) whose config is the release's K3
+(`K3Config.release_problems()` empty), within the kernel's fixed buffers (head dims <= 512, latent
+rank <= 1024, experts <= 1024), with native kernels on and a C compiler with OpenMP; otherwise the
+engine keeps the torch step.
 Weights are read from the model at build time (a few derived vectors are computed once: AttnRes's
 key-norm gain times its pseudo-query, exp(A_log)), so a model changed after the engine was built needs
 a new engine.
@@ -47,8 +49,11 @@ _LAYER_PTRS = (
 ).split()
 
 
+_MX_PTRS = "w1q w1s w2q w2s w3q w3s".split()
+
+
 class Layer(ctypes.Structure):
-    _fields_ = [("mla", I64), ("moe", I64), *((n, PTR) for n in _LAYER_PTRS)]
+    _fields_ = [("mla", I64), ("moe", I64), ("mx", I64), *((n, PTR) for n in (*_LAYER_PTRS, *_MX_PTRS))]
 
 
 class Ends(ctypes.Structure):
@@ -64,12 +69,15 @@ def unsupported(runner) -> str | None:
     la = c.linear_attn_config
     if not native.enabled():
         return "native kernels are off (K3_NATIVE=0)"
-    if any(not native.takes(p) for p in model.parameters()) or runner.device.type != "cpu":
+    if any(not native.takes(p) for p in model.parameters()) or runner.device.type != "cpu":  # (packed
+        # experts are uint8 buffers, not parameters)
         return "the model is not fp32 on the CPU"
     from k3.model.moe import RoutedExperts
+    from k3.quant.packed import PackedRoutedExperts
 
-    if any(type(m.experts) is not RoutedExperts for m in model.modules() if hasattr(m, "experts")):
-        return "the routed experts are not plain stacked fp32 matrices (packed MXFP4, QAT, ...)"
+    kinds = {type(m.experts) for m in model.modules() if hasattr(m, "experts")}
+    if kinds - {RoutedExperts, PackedRoutedExperts}:
+        return "the routed experts are neither plain stacked matrices nor MXFP4-packed (QAT?)"
     if c.release_problems():
         return "the config is an ablation variant: " + "; ".join(c.release_problems())
     if la.head_dim > 512 or c.kv_lora_rank > 1024 or c.qk_rope_head_dim > 256 or c.num_experts > 1024:
@@ -197,15 +205,23 @@ class NativeDecode:
                 router=p(moe.gate.weight), router_bias=p(moe.gate.e_score_correction_bias),
                 lat_down=p(moe.routed_expert_down_proj.weight), lat_up=p(moe.routed_expert_up_proj.weight),
                 lat_norm=p(moe.routed_expert_norm.weight) if moe.routed_expert_norm is not None else None,
-                w1=p(moe.experts.w1), w2=p(moe.experts.w2), w3=p(moe.experts.w3),
                 w_gate=p(sh.gate_proj.weight) if sh else None, w_up=p(sh.up_proj.weight) if sh else None,
                 w_down=p(sh.down_proj.weight) if sh else None,
             )  # fmt: skip
+            ex = moe.experts
+            if hasattr(ex.w1, "weight_packed"):  # MXFP4, decoded in registers by the kernel
+                fields["mx"] = 1
+                for w in ("w1", "w2", "w3"):
+                    pw = getattr(ex, w)
+                    fields[w + "q"], fields[w + "s"] = p(pw.weight_packed), p(pw.weight_scale)
+            else:
+                fields.update(w1=p(ex.w1), w2=p(ex.w2), w3=p(ex.w3))
         else:
             mlp = layer.mlp
             fields.update(
                 w_gate=p(mlp.gate_proj.weight), w_up=p(mlp.up_proj.weight), w_down=p(mlp.down_proj.weight)
             )
+        fields.setdefault("mx", 0)
         return Layer(mla=int(i not in r.kda), moe=int(hasattr(layer, "block_sparse_moe")), **fields)
 
 

@@ -28,7 +28,7 @@ typedef struct {
 } Dims;
 
 typedef struct {
-    int64_t mla, moe;
+    int64_t mla, moe, mx; /* mx: the routed experts are MXFP4 (w*q codes, w*s scales), not w1 / w2 / w3 */
     const float *attn_norm, *ffn_norm, *attn_res, *ffn_res; /* [D]; res: key-norm gain * pseudo-query */
     /* KDA */
     const float *wq, *wk, *wv, *conv_q, *conv_k, *conv_v, *wfa, *wfb, *dt_bias, *a_exp, *wb, *wg, *o_norm, *wo;
@@ -39,12 +39,14 @@ typedef struct {
     /* FFN: the dense GLU, or the shared experts of an MoE layer */
     const float *w_gate, *w_up, *w_down;
     const float *router, *router_bias, *lat_down, *lat_norm, *lat_up, *w1, *w2, *w3;
+    const uint8_t *w1q, *w1s, *w2q, *w2s, *w3q, *w3s; /* [E, out, in/2], [E, out, in/32] */
 } Layer;
 
 typedef struct {
     const float *w, *x;
     int64_t rows, cols, ldx, B, ldy;
     float *y;
+    const uint8_t *mxq, *mxs; /* an MXFP4 W instead of w (x then split by mx_split_input) */
 } Job;
 
 /* this thread's share of the rows of several products (each Job: Y = W X^T for its own X) */
@@ -56,14 +58,24 @@ static void run_jobs(const Job *jobs, int n, int t, int nt) {
     for (int j = 0; j < n; j++) {
         const Job *q = &jobs[j];
         const int64_t r0 = lo > base ? lo : base, r1 = hi < base + q->rows ? hi : base + q->rows;
-        if (r0 < r1) gemv_rows(q->w, q->cols, q->x, q->ldx, q->B, q->y, q->ldy, r0 - base, r1 - base);
+        if (r0 < r1 && q->mxq)
+            gemv_rows_mx(q->mxq, q->mxs, q->cols, q->x, q->B, q->y, q->ldy, r0 - base, r1 - base);
+        else if (r0 < r1)
+            gemv_rows(q->w, q->cols, q->x, q->ldx, q->B, q->y, q->ldy, r0 - base, r1 - base);
         base += q->rows;
     }
 }
 
 static inline Job job(const float *w, int64_t rows, int64_t cols, const float *x, int64_t ldx, int64_t B,
                       float *y, int64_t ldy) {
-    Job j = {w, x, rows, cols, ldx, B, ldy, y};
+    Job j = {w, x, rows, cols, ldx, B, ldy, y, NULL, NULL};
+    return j;
+}
+
+/* expert e's MXFP4 matrix [rows, cols] of a stacked packed weight */
+static inline Job mx_job(const uint8_t *q, const uint8_t *sc, int64_t e, int64_t rows, int64_t cols,
+                         const float *xs, int64_t B, float *y, int64_t ldy) {
+    Job j = {NULL, xs, rows, cols, cols, B, ldy, y, q + e * rows * (cols / 2), sc + e * rows * (cols / 32)};
     return j;
 }
 
@@ -377,10 +389,22 @@ static void moe(const Dims *d, const Layer *l, Scratch *s, int64_t B, int t, int
             int64_t m = 1;
             while (i + m < n && s->slot_expert[i + m] == s->slot_expert[i]) m++;
             const int64_t e = s->slot_expert[i];
-            for (int64_t r = 0; r < m; r++) memcpy(zs + (i + r) * Dl, z + s->slot_rows[i + r] * big, Dl * sizeof(float));
-            up[s->n_up++] = job(l->w1 + e * I * Dl, I, Dl, zs + i * Dl, Dl, m, gs + i * I, I);
-            up[s->n_up++] = job(l->w3 + e * I * Dl, I, Dl, zs + i * Dl, Dl, m, us + i * I, I);
-            down[s->n_down++] = job(l->w2 + e * Dl * I, Dl, I, gs + i * I, I, m, ys + i * Dl, Dl);
+            for (int64_t r = 0; r < m; r++) {
+                const float *zr = z + s->slot_rows[i + r] * big;
+                if (l->mx)
+                    mx_split_input(zr, Dl, 1, Dl, zs + (i + r) * Dl);
+                else
+                    memcpy(zs + (i + r) * Dl, zr, Dl * sizeof(float));
+            }
+            if (l->mx) { /* w2 reads the activations split, from us (free once SiTU has run) */
+                up[s->n_up++] = mx_job(l->w1q, l->w1s, e, I, Dl, zs + i * Dl, m, gs + i * I, I);
+                up[s->n_up++] = mx_job(l->w3q, l->w3s, e, I, Dl, zs + i * Dl, m, us + i * I, I);
+                down[s->n_down++] = mx_job(l->w2q, l->w2s, e, Dl, I, us + i * I, m, ys + i * Dl, Dl);
+            } else {
+                up[s->n_up++] = job(l->w1 + e * I * Dl, I, Dl, zs + i * Dl, Dl, m, gs + i * I, I);
+                up[s->n_up++] = job(l->w3 + e * I * Dl, I, Dl, zs + i * Dl, Dl, m, us + i * I, I);
+                down[s->n_down++] = job(l->w2 + e * Dl * I, Dl, I, gs + i * I, I, m, ys + i * Dl, Dl);
+            }
             i += m;
         }
     }
@@ -391,6 +415,10 @@ static void moe(const Dims *d, const Layer *l, Scratch *s, int64_t B, int t, int
 #pragma omp barrier
     situ_split(gs, us, n, I, I, d, t, nt);
 #pragma omp barrier
+    if (l->mx) {
+        for (int64_t i = t; i < n; i += nt) mx_split_input(gs + i * I, I, 1, I, us + i * I);
+#pragma omp barrier
+    }
     run_jobs(down, (int)s->n_down, t, nt);
 #pragma omp barrier
     float *ul = s->a; /* the routed mixture [B, Dl], then its norm (logits and z are spent) */

@@ -91,4 +91,62 @@ static void gemv_rows(const float *restrict W, int64_t I, const float *restrict 
     }
 }
 
+/* ---- MXFP4 weights (OCP MX: E2M1 codes, one E8M0 scale per 32 inputs; the compressed-tensors layout:
+ * byte j of a block holds element 2j in its low nibble, 2j+1 in its high nibble) --------------------
+ * The weights are decoded in registers, 16 codes at a time through a 16-entry table, and never
+ * written out: a decode reads 17 bytes per 32 weights instead of 128. The inputs are first split per
+ * block into their even and odd elements (`mx_split_input`), so the low and high nibbles each meet a
+ * contiguous vector of inputs. */
+typedef int32_t v16i __attribute__((vector_size(64)));
+typedef uint8_t v16b __attribute__((vector_size(16)));
+
+static const v16 MX_E2M1 = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
+                            -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+
+static inline float e8m0(uint8_t e) {
+    /* 2^(e - 127); e = 0 is 2^-127 (a subnormal), e = 255 is NaN by the format */
+    if (e == 255) return __builtin_nanf("");
+    if (e == 0) return 0x1p-127f;
+    uint32_t bits = (uint32_t)e << 23;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* X [B, ldx] (I a multiple of 32) -> Xs [B, I]: per 32-block its 16 even elements, then its 16 odd */
+static void mx_split_input(const float *X, int64_t ldx, int64_t B, int64_t I, float *Xs) {
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t k = 0; k < I; k += 32)
+            for (int j = 0; j < 16; j++) {
+                Xs[b * I + k + j] = X[b * ldx + k + 2 * j];
+                Xs[b * I + k + 16 + j] = X[b * ldx + k + 2 * j + 1];
+            }
+}
+
+/* rows o0..o1 of Y = W X^T for an MXFP4 W: packed [O, I/2], scales [O, I/32]; Xs from mx_split_input */
+static void gemv_rows_mx(const uint8_t *restrict packed, const uint8_t *restrict scales, int64_t I,
+                         const float *restrict Xs, int64_t B, float *restrict Y, int64_t ldy, int64_t o0,
+                         int64_t o1) {
+    const int64_t nb = I / 32;
+    for (int64_t o = o0; o < o1; o++) {
+        const uint8_t *q = packed + o * (I / 2), *sc = scales + o * nb;
+        for (int64_t b0 = 0; b0 < B; b0 += 4) {
+            const int64_t nbat = B - b0 < 4 ? B - b0 : 4;
+            v16 acc[4] = {{0}, {0}, {0}, {0}};
+            for (int64_t k = 0; k < nb; k++) {
+                v16b raw;
+                memcpy(&raw, q + 16 * k, sizeof raw);
+                const v16i codes = __builtin_convertvector(raw, v16i);
+                const v16 lo = __builtin_shuffle(MX_E2M1, codes & 15), hi = __builtin_shuffle(MX_E2M1, codes >> 4);
+                const float s = e8m0(sc[k]);
+                for (int64_t r = 0; r < nbat; r++) {
+                    const float *x = Xs + (b0 + r) * I + 32 * k;
+                    acc[r] += (lo * ld16(x) + hi * ld16(x + 16)) * s;
+                }
+            }
+            for (int64_t r = 0; r < nbat; r++) Y[(b0 + r) * ldy + o] = hsum16(acc[r]);
+        }
+    }
+}
+
 #endif
