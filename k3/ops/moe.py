@@ -194,6 +194,7 @@ def experts_active(z, weights, indices, w1, w2, w3, act: GLUFn) -> torch.Tensor:
 
 # k3_experts_situ(sgemm, z, token_of_slot, weight, counts, E, Dl, I, w1, w3, w2, scratch, out, act, b1, b2)
 _EXPERTS_ARGS = [native.PTR] * 5 + [native.I64] * 3 + [native.PTR] * 5 + [native.I64, native.F32, native.F32]
+_EXPERTS_ARGS += [native.I64] * 3  # T, threads, scratch floats per thread
 
 
 def _native_act(act: GLUFn) -> tuple[int, float, float] | None:
@@ -240,11 +241,16 @@ def experts_native(z, weights, indices, w1, w2, w3, act: GLUFn) -> torch.Tensor 
     token_of_slot = (order // k).contiguous()
     slot_weight = weights.reshape(-1)[order].float().contiguous()
     zc = z.contiguous()
-    scratch = z.new_empty(-(-int(counts.max()) // 16) * 16 * 2 * (Dl + I))  # the kernel's scratch contract
+    # the kernel's scratch contract: per thread round_up(max c, 16) * 2 (Dl + I), then a [T, Dl] partial
+    # sum per thread but the first; one thread per 16 slots at most (fewer slots: a thread would idle)
+    threads = max(1, min(torch.get_num_threads(), T * k // 16))
+    per_thread = -(-int(counts.max()) // 16) * 16 * 2 * (Dl + I)
+    scratch = z.new_empty(threads * per_thread + (threads - 1) * T * Dl)
     out = torch.zeros(T, Dl, dtype=torch.float32)
     ptrs = [t.data_ptr() for t in (zc, token_of_slot, slot_weight, counts)]
     weights_ptrs = [t.data_ptr() for t in (w1, w3, w2)]
-    fn(sgemm, *ptrs, E, Dl, I, *weights_ptrs, scratch.data_ptr(), out.data_ptr(), code, beta1, beta2)
+    fn(sgemm, *ptrs, E, Dl, I, *weights_ptrs, scratch.data_ptr(), out.data_ptr(), code, beta1, beta2,
+       T, threads, per_thread)  # fmt: skip
     return out
 
 

@@ -31,8 +31,8 @@ FLAGS = (
     "-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=fast",
     "-shared", "-fPIC", "-std=c11",
 )  # fmt: skip
-# kernels that run a thread team of their own (OpenMP; the whole-model decode step)
-EXTRA_FLAGS = {"decode_step": ("-fopenmp",)}
+# kernels that run a thread team (OpenMP: the runtime torch itself loads, so one pool of threads)
+EXTRA_FLAGS = {"decode_step": ("-fopenmp",), "moe_experts": ("-fopenmp",)}
 _lock = threading.Lock()
 _libs: dict[str, ctypes.CDLL | None] = {}
 

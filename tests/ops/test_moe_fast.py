@@ -134,16 +134,24 @@ def _native_or_skip():
 @pytest.mark.parametrize("act", ["situ", "situ-b8", "silu"])
 @pytest.mark.parametrize(("T", "k", "skew"), [(1, 2, False), (5, 3, False), (64, 2, False), (33, 4, True)])
 @pytest.mark.parametrize(("Dl", "I"), [(20, 24), (32, 48)])
-def test_native_experts_match_naive(act, T, k, skew, Dl, I):
+@pytest.mark.parametrize("threads", [1, 3])
+def test_native_experts_match_naive(act, T, k, skew, Dl, I, threads):
     """One C call per layer (gather, products, GLU, weighted scatter-add) == the reference, for SiTU with
     the release betas and others, SwiGLU, decode, uneven loads and experts without tokens; with dims that
     are multiples of 16, experts with >= 16 slots run transposed on the panel products (T = 64, and the
-    skewed loads), the others on sgemm, in the same call."""
+    skewed loads), the others on sgemm, in the same call; on one thread and on a team of three, each
+    with its share of the experts and its own partial sums."""
     _native_or_skip()
     fn = {"situ": situ_glu, "situ-b8": glu_fn("situ", 8.0, 10.0), "silu": swiglu}[act]
     z, weights, idx, w = _case(T, k, E=8, I=I, Dl=Dl, skew=skew)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with torch.no_grad():
+            got = experts_native(z, weights, idx, *w, fn)
+    finally:
+        torch.set_num_threads(before)
     with torch.no_grad():
-        got = experts_native(z, weights, idx, *w, fn)
         ref = experts_naive(z.double(), weights.double(), idx, *[t.double() for t in w], fn)
     assert got is not None and got.dtype == torch.float32 and got.shape == z.shape
     torch.testing.assert_close(got, ref.float(), rtol=1e-5, atol=1e-5)

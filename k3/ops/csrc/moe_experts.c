@@ -18,6 +18,7 @@
  * row-major stacks, read in place; Dl and I must be multiples of 16 for the transposed path (else every
  * expert takes sgemm). `scratch` holds round_up(max(c), 16) * 2 * (Dl + I) floats.
  */
+#include <omp.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -78,19 +79,41 @@ static void expert_columns(const float *z, const int64_t *tok, const float *weig
     scatter_add(out, tok, weight, x, c, Dl);
 }
 
+/* Experts run on `threads` threads (an OpenMP team, torch's own runtime): thread t takes the experts
+ * whose slots fall in its share of all slots, with its own scratch; thread 0 accumulates into out, the
+ * others into their own [T, Dl] partial sums, added to out at the end (so a token's sum runs in another
+ * order with more than one thread; each thread count is deterministic). A BLAS call inside the team runs
+ * single-threaded (the BLAS sees the active parallel region). */
 void k3_experts_situ(void *sgemm_ptr, const float *z, const int64_t *token_of_slot, const float *weight,
                      const int64_t *counts, int64_t E, int64_t Dl, int64_t I, const float *w1, const float *w3,
-                     const float *w2, float *scratch, float *out, int64_t act, float beta1, float beta2) {
+                     const float *w2, float *scratch, float *out, int64_t act, float beta1, float beta2,
+                     int64_t T, int64_t threads, int64_t scratch_per_thread) {
     const int transposed_fits = Dl % 16 == 0 && I % 16 == 0;
-    int64_t off = 0;
-    for (int64_t e = 0; e < E; off += counts[e], e++) {
-        const int64_t c = counts[e];
-        const float *w1e = w1 + e * I * Dl, *w3e = w3 + e * I * Dl, *w2e = w2 + e * Dl * I;
-        if (c >= MIN_TRANSPOSED && transposed_fits)
-            expert_columns(z, token_of_slot + off, weight + off, c, Dl, I, w1e, w3e, w2e, scratch, out, act, beta1,
-                           beta2);
-        else if (c > 0)
-            expert_rows((sgemm_fn)sgemm_ptr, z, token_of_slot + off, weight + off, c, Dl, I, w1e, w3e, w2e, scratch,
-                        out, act, beta1, beta2);
+    int64_t total = 0;
+    for (int64_t e = 0; e < E; e++) total += counts[e];
+#pragma omp parallel num_threads(threads)
+    {
+        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        float *mine = scratch + t * scratch_per_thread;
+        float *acc = t == 0 ? out : scratch + nt * scratch_per_thread + (t - 1) * T * Dl;
+        if (t > 0) memset(acc, 0, sizeof(float) * (size_t)(T * Dl));
+        int64_t off = 0;
+        for (int64_t e = 0; e < E; off += counts[e], e++) {
+            const int64_t c = counts[e], mid = 2 * off + c; /* the expert's middle slot, doubled */
+            if (c == 0 || mid * nt < 2 * total * t || mid * nt >= 2 * total * (t + 1)) continue;
+            const float *w1e = w1 + e * I * Dl, *w3e = w3 + e * I * Dl, *w2e = w2 + e * Dl * I;
+            if (c >= MIN_TRANSPOSED && transposed_fits)
+                expert_columns(z, token_of_slot + off, weight + off, c, Dl, I, w1e, w3e, w2e, mine, acc, act,
+                               beta1, beta2);
+            else
+                expert_rows((sgemm_fn)sgemm_ptr, z, token_of_slot + off, weight + off, c, Dl, I, w1e, w3e, w2e,
+                            mine, acc, act, beta1, beta2);
+        }
+#pragma omp barrier
+        const int64_t lo = T * t / nt, hi = T * (t + 1) / nt;
+        for (int64_t u = 1; u < nt; u++) {
+            const float *part = scratch + nt * scratch_per_thread + (u - 1) * T * Dl;
+            for (int64_t i = lo * Dl; i < hi * Dl; i++) out[i] += part[i];
+        }
     }
 }
