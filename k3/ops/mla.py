@@ -334,8 +334,9 @@ def _native_softmax_step(q: torch.Tensor):
     return step
 
 
-# k3_mla_block_expanded(q, lat, w_kvbT, q_pos, B, H, T, s, s0, R, Dn, Dr, Dv, tile, m, l, acc, scratch)
-_BLOCK_ARGS = [native.PTR] * 4 + [native.I64] * 10 + [native.PTR] * 4
+# k3_mla_block_expanded(q, lat, w_kvbT, q_pos, B, H, T, s, s0, R, Dn, Dr, Dv, tile, m, l, acc, scratch,
+#                       threads, scratch_per_thread)
+_BLOCK_ARGS = [native.PTR] * 4 + [native.I64] * 10 + [native.PTR] * 4 + [native.I64] * 2
 NATIVE_QUERY_TILE = 128  # queries per tile: a [128, 256] score tile, one head's keys and values stay in L2
 NATIVE_SUB_BLOCK = 256  # keys per step inside the kernel (its SUB_BLOCK)
 
@@ -365,12 +366,13 @@ def _over_blocks_native(fn, q_nope, q_pe, blocks, w_uk, w_uv, scale, q_pos):
     for lat in blocks:
         dtype, s, lat = lat.dtype, lat.shape[1], lat.float().contiguous()
         sp = -(-min(s, NATIVE_SUB_BLOCK) // 16) * 16  # keys per kernel step, padded to whole 16-key tiles
-        need = sp * (Dn + Dv + Dn + Dr + NATIVE_QUERY_TILE + R + Dr)
-        if scratch.numel() < need:
-            scratch = torch.empty(need)
+        per_thread = sp * (Dn + Dv + Dn + Dr + NATIVE_QUERY_TILE + R + Dr)
+        threads = max(1, min(torch.get_num_threads(), B * H))  # (row, head) pairs split over threads
+        if scratch.numel() < threads * per_thread:
+            scratch = torch.empty(threads * per_thread)
         fn(q.data_ptr(), lat.data_ptr(), w_kvbT.data_ptr(), None if pos is None else pos.data_ptr(),
            B, H, T, s, s0, R, Dn, Dr, Dv, NATIVE_QUERY_TILE, m.data_ptr(), l.data_ptr(), acc.data_ptr(),
-           scratch.data_ptr())  # fmt: skip
+           scratch.data_ptr(), threads, per_thread)  # fmt: skip
         s0 += s
     if dtype is None:
         raise ValueError("blocks yielded no keys")

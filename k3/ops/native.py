@@ -32,7 +32,7 @@ FLAGS = (
     "-shared", "-fPIC", "-std=c11",
 )  # fmt: skip
 # kernels that run a thread team (OpenMP: the runtime torch itself loads, so one pool of threads)
-EXTRA_FLAGS = {"decode_step": ("-fopenmp",), "moe_experts": ("-fopenmp",)}
+EXTRA_FLAGS = {name: ("-fopenmp",) for name in ("decode_step", "moe_experts", "mla_stream")}
 _lock = threading.Lock()
 _libs: dict[str, ctypes.CDLL | None] = {}
 

@@ -334,13 +334,16 @@ def test_native_online_softmax_matches_the_torch_step(monkeypatch, expand, mask)
 
 @pytest.mark.parametrize("tile, block", [(8, 64), (128, 64), (8, 300)])
 @pytest.mark.parametrize("mask", ["causal", "ragged", "none"])
-def test_native_expanded_blocks_match_the_torch_path(monkeypatch, tile, block, mask):
+@pytest.mark.parametrize("threads", [1, 3])
+def test_native_expanded_blocks_match_the_torch_path(monkeypatch, tile, block, mask, threads):
     """The tiled native block step of the expanded form (`k3/ops/csrc/mla_stream.c`: per-block key
     expansion, per-head query tiles, tiles before the block skipped, the last block of 44 keys padded to
     48; one block of 300 keys taken as the kernel's steps of 256 + 44) == the torch path and the dense
     naive attention; several tiles per head with tile 8 (row 1's last tile, keys 252..256, straddles the
-    block from key 256), ragged rows, no mask, bf16 latents."""
+    block from key 256), ragged rows, no mask, bf16 latents; the (row, head) pairs on one thread or
+    split over three."""
     require("mla_stream")
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)  # the kernel's team size
     import k3.ops.mla as mla_ops
 
     monkeypatch.setattr(mla_ops, "NATIVE_QUERY_TILE", tile)

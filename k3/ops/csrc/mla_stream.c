@@ -15,9 +15,10 @@
  * The products are small_gemm.h's panel-blocked ones (no packing: every operand is already in L2).
  * Running state m, l [B, H, T] and acc [B, H, T, Dv] carry across blocks; the caller divides by l at the
  * end. Tiles whose queries all precede the block are skipped. Needs Dn + Dv and Dv multiples of 16 (the
- * caller checks). scratch: sp (Dn + Dv + Dn + Dr + tile + R + Dr) floats, sp = min(s, SUB_BLOCK) rounded up
+ * caller checks). scratch per thread: sp (Dn + Dv + Dn + Dr + tile + R + Dr) floats, sp = min(s, SUB_BLOCK) rounded up
  * to 16.
  */
+#include <omp.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -36,53 +37,59 @@ static void head_keys(const float *kv, int64_t W, const float *lat, int64_t L, i
     }
 }
 
-/* the block step over keys [s0, s0 + s) of a block whose rows are ld_b floats apart per batch row */
-static void sub_block(const float *q, const float *lat, int64_t ld_b, const float *w_kvbT, const int64_t *q_pos,
-                      int64_t B, int64_t H, int64_t T, int64_t s, int64_t s0, int64_t R, int64_t Dn, int64_t Dr,
-                      int64_t Dv, int64_t tile, float *m, float *l, float *acc, float *scratch) {
+/* one (row, head) of the block step over keys [s0, s0 + s) */
+static void head_step(const float *q, const float *lb, const float *w_kvbT, const int64_t *pos, int64_t H,
+                      int64_t T, int64_t s, int64_t s0, int64_t R, int64_t Dn, int64_t Dr, int64_t Dv, int64_t tile,
+                      int64_t b, int64_t h, float *m, float *l, float *acc, float *scratch) {
     const int64_t Dq = Dn + Dr, W = H * (Dn + Dv), L = R + Dr, sp = (s + 15) / 16 * 16;
     float *kv = scratch, *keysT = kv + sp * (Dn + Dv), *scores = keysT + sp * Dq, *lat_p = scores + tile * sp;
-    for (int64_t b = 0; b < B; b++) {
-        const float *lb = lat + b * ld_b;
-        const int64_t *pos = q_pos ? q_pos + b * T : NULL;
-        if (sp != s) { /* the padded copy of a short block: zero latents give zero keys and values */
-            memcpy(lat_p, lb, sizeof(float) * (size_t)(s * L));
-            memset(lat_p + s * L, 0, sizeof(float) * (size_t)((sp - s) * L));
-            lb = lat_p;
-        }
-        for (int64_t h = 0; h < H; h++) { /* this head's keys and values only: they stay in L2 */
-            gemm_nn_panels(sp, Dn + Dv, R, lb, L, w_kvbT + h * (Dn + Dv), W, kv, Dn + Dv, 0);
-            head_keys(kv, Dn + Dv, lb, L, R, Dn, Dr, sp, keysT);
-            const float *values = kv + Dn;
-            const int64_t bh = b * H + h;
-            for (int64_t t0 = 0; t0 < T; t0 += tile) {
-                const int64_t tq = T - t0 < tile ? T - t0 : tile;
-                if (pos && pos[t0 + tq - 1] < s0) continue; /* positions ascend: the whole tile precedes */
-                const float *qt = q + (bh * T + t0) * Dq;
-                float *at = acc + (bh * T + t0) * Dv, *mt = m + bh * T + t0, *lt = l + bh * T + t0;
-                gemm_nn_panels(tq, sp, Dq, qt, Dq, keysT, sp, scores, sp, 0);
-                for (int64_t r = 0; r < tq; r++) {
-                    int64_t n = s;
-                    if (pos) {
-                        const int64_t limit = pos[t0 + r] - s0 + 1;
-                        n = limit < 0 ? 0 : (limit < s ? limit : s);
-                    }
-                    const float corr = softmax_row_step(scores + r * sp, sp, n, mt + r, lt + r);
-                    float *restrict a = at + r * Dv;
-                    for (int64_t d = 0; d < Dv; d++) a[d] *= corr;
-                }
-                gemm_nn_panels(tq, Dv, sp, scores, sp, values, Dn + Dv, at, Dv, 1);
+    if (sp != s) { /* the padded copy of a short block: zero latents give zero keys and values */
+        memcpy(lat_p, lb, sizeof(float) * (size_t)(s * L));
+        memset(lat_p + s * L, 0, sizeof(float) * (size_t)((sp - s) * L));
+        lb = lat_p;
+    }
+    /* this head's keys and values only: they stay in L2 */
+    gemm_nn_panels(sp, Dn + Dv, R, lb, L, w_kvbT + h * (Dn + Dv), W, kv, Dn + Dv, 0);
+    head_keys(kv, Dn + Dv, lb, L, R, Dn, Dr, sp, keysT);
+    const float *values = kv + Dn;
+    const int64_t bh = b * H + h;
+    for (int64_t t0 = 0; t0 < T; t0 += tile) {
+        const int64_t tq = T - t0 < tile ? T - t0 : tile;
+        if (pos && pos[t0 + tq - 1] < s0) continue; /* positions ascend: the whole tile precedes */
+        const float *qt = q + (bh * T + t0) * Dq;
+        float *at = acc + (bh * T + t0) * Dv, *mt = m + bh * T + t0, *lt = l + bh * T + t0;
+        gemm_nn_panels(tq, sp, Dq, qt, Dq, keysT, sp, scores, sp, 0);
+        for (int64_t r = 0; r < tq; r++) {
+            int64_t n = s;
+            if (pos) {
+                const int64_t limit = pos[t0 + r] - s0 + 1;
+                n = limit < 0 ? 0 : (limit < s ? limit : s);
             }
+            const float corr = softmax_row_step(scores + r * sp, sp, n, mt + r, lt + r);
+            float *restrict a = at + r * Dv;
+            for (int64_t d = 0; d < Dv; d++) a[d] *= corr;
         }
+        gemm_nn_panels(tq, Dv, sp, scores, sp, values, Dn + Dv, at, Dv, 1);
     }
 }
 
+/* Every (row, head) pair carries its own running state, so the pairs are split over `threads` threads
+ * (an OpenMP team, torch's runtime), each with its own `scratch_per_thread` floats: results are the same
+ * for any thread count. */
 void k3_mla_block_expanded(const float *q, const float *lat, const float *w_kvbT, const int64_t *q_pos, int64_t B,
                            int64_t H, int64_t T, int64_t s, int64_t s0, int64_t R, int64_t Dn, int64_t Dr, int64_t Dv,
-                           int64_t tile, float *m, float *l, float *acc, float *scratch) {
-    for (int64_t k0 = 0; k0 < s; k0 += SUB_BLOCK) {
-        const int64_t n = s - k0 < SUB_BLOCK ? s - k0 : SUB_BLOCK;
-        sub_block(q, lat + k0 * (R + Dr), s * (R + Dr), w_kvbT, q_pos, B, H, T, n, s0 + k0, R, Dn, Dr, Dv, tile, m, l,
-                  acc, scratch);
+                           int64_t tile, float *m, float *l, float *acc, float *scratch, int64_t threads,
+                           int64_t scratch_per_thread) {
+    const int64_t L = R + Dr;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t bh = 0; bh < B * H; bh++) {
+        const int64_t b = bh / H, h = bh % H;
+        const int64_t *pos = q_pos ? q_pos + b * T : NULL;
+        float *mine = scratch + omp_get_thread_num() * scratch_per_thread;
+        for (int64_t k0 = 0; k0 < s; k0 += SUB_BLOCK) { /* SUB_BLOCK keys per step */
+            const int64_t n = s - k0 < SUB_BLOCK ? s - k0 : SUB_BLOCK;
+            head_step(q, lat + b * s * L + k0 * L, w_kvbT, pos, H, T, n, s0 + k0, R, Dn, Dr, Dv, tile, b, h, m, l,
+                      acc, mine);
+        }
     }
 }
