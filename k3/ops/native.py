@@ -32,7 +32,7 @@ FLAGS = (
     "-shared", "-fPIC", "-std=c11",
 )  # fmt: skip
 # kernels that run a thread team (OpenMP: the runtime torch itself loads, so one pool of threads)
-EXTRA_FLAGS = {name: ("-fopenmp",) for name in ("decode_step", "moe_experts", "mla_stream")}
+EXTRA_FLAGS = {name: ("-fopenmp",) for name in ("decode_step", "moe_experts", "mla_stream", "kda_pointwise")}
 _lock = threading.Lock()
 _libs: dict[str, ctypes.CDLL | None] = {}
 

@@ -5,18 +5,24 @@
  *                     (oldest first; NULL = zeros) followed by u [B, T, C]; w transposed to [W, C].
  * k3_kda_safe_gate:   g = lb * sigmoid(exp(A_log[h]) * (z + dt_bias[h, c])) over rows of [H, K].
  * All fp32; the channel loops vectorise (exp_poly.h's exp), SiLU and sigmoid as 1 / (1 + exp(-x)).
+ * Rows are split over torch's threads (OpenMP) when there are many.
  */
 #include <math.h>
 #include <stdint.h>
 
 #include "exp_poly.h"
 
+/* rows (tokens) from which a call splits them over torch's threads (an OpenMP team of its size; the rows
+ * are independent, so the result does not depend on it); fewer: one thread, no team to wake */
+#define MIN_PARALLEL_ROWS 64
+
 void k3_conv_silu(const float *u, const float *hist, const float *w, float *y, int64_t B, int64_t T, int64_t C,
                   int64_t W) {
+#pragma omp parallel for collapse(2) schedule(static) if (B * T >= MIN_PARALLEL_ROWS)
     for (int64_t b = 0; b < B; b++) {
-        const float *ub = u + b * T * C, *hb = hist ? hist + b * C * (W - 1) : NULL;
-        float *yb = y + b * T * C;
         for (int64_t t = 0; t < T; t++) {
+            const float *ub = u + b * T * C, *hb = hist ? hist + b * C * (W - 1) : NULL;
+            float *yb = y + b * T * C;
             float *restrict out = yb + t * C;
             if (t >= W - 1) { /* every tap inside u: the vectorised common case */
                 const float *restrict x0 = ub + (t - W + 1) * C;
@@ -42,6 +48,7 @@ void k3_conv_silu(const float *u, const float *hist, const float *w, float *y, i
 
 void k3_kda_safe_gate(const float *z, const float *A_log, const float *dt_bias, float lower_bound, float *g,
                       int64_t N, int64_t H, int64_t K) {
+#pragma omp parallel for collapse(2) schedule(static) if (N >= MIN_PARALLEL_ROWS)
     for (int64_t n = 0; n < N; n++)
         for (int64_t h = 0; h < H; h++) {
             const float a = expf(A_log[h]);
