@@ -26,7 +26,7 @@ class Command:
 
 COMMANDS: tuple[Command, ...] = (
     Command("params", "k3.params", "count total and active parameters of a config, by component"),
-    Command("train", "k3.train.cli", "train a K3 model (default: k3-tiny on the stdlib, 10 minutes on CPU)"),
+    Command("train", "k3.train.cli", "train a K3 model (default: k3-mini on the stdlib, 10 minutes on CPU)"),
     Command("eval", "k3.train.cli", "validation loss and bits per byte of a checkpoint"),
     Command("sample", "k3.train.cli", "sample text from a checkpoint"),
     Command("ablate", "k3.train.cli", "train K3 recipe variants at equal tokens and seeds; table + plot"),

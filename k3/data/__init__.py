@@ -33,6 +33,7 @@ from k3.data.packing import (
     load_or_tokenize,
     tokenize_documents,
 )
+from k3.data.rows import ShuffledRows
 from k3.tokenizer import DEFAULT_VOCAB_SIZE, K3Tokenizer, load_or_train_tokenizer, tokenizer_cache_path
 
 __all__ = [
@@ -41,6 +42,7 @@ __all__ = [
     "CorpusStats",
     "PackedLoader",
     "PreparedData",
+    "ShuffledRows",
     "TokenizedDocs",
     "block_causal_mask",
     "corpus_fingerprint",

@@ -19,9 +19,10 @@ restarted with the same --out), ``<out>/ablations.md`` (mean ± sample std over 
 | -PerHeadMuon       | per_head=False (whole-matrix Muon)                                         |
 | AdamW              | optimizer="adamw" (AdamW for every parameter)                              |
 
-The default budget (k3-nano with a 2048-token vocabulary, 400 steps of 8 x 128 tokens, 3 seeds, 9
-variants = 27 runs, two at a time on one thread each) takes about 25 minutes on 2 quiet CPU cores;
---steps / --seeds / --variants / --preset / --jobs scale it.
+The default budget is the `k3 train` demo's: k3-mini, 450 steps of 16 x 256 tokens (1.8 M tokens,
+what 10 minutes on 2 cores train), 3 seeds, 9 variants = 27 runs, two at a time on one thread each:
+about 4 hours on 2 quiet CPU cores. --steps / --seeds / --variants / --preset / --vocab-size / --jobs
+scale it (docs/training.md has a 27-minute k3-nano setting).
 """
 
 from __future__ import annotations
@@ -49,20 +50,17 @@ VARIANTS: dict[str, tuple[str, dict, dict]] = {  # name -> (description, model o
 
 
 def ablation_base(**changes) -> TrainConfig:
-    """The shared recipe of every variant (before its own switches)."""
+    """The shared recipe of every variant (before its own switches): the `k3 train` demo's model and
+    recipe at the demo's token count (450 steps of 16 x 256), each run on one thread."""
     base = TrainConfig(
-        preset="k3-nano",
-        vocab_size=2048,
-        steps=400,
+        preset="k3-mini",
+        steps=450,
         minutes=None,
-        seq_len=128,
-        batch_size=8,
-        warmup_steps=15,
         eval_every=0,
-        eval_tokens=65536,
         save_every=0,
         keep=1,
         sample_tokens=0,
+        parse_samples=0,
         log_every=50,
         threads=1,
     )
@@ -196,10 +194,10 @@ def add_ablate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default=None, help="output directory (default runs/ablate-<timestamp>)")
     p.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    p.add_argument("--preset", default=None, help="model preset (default k3-nano)")
-    p.add_argument("--vocab-size", type=int, default=None, help="default 2048")
+    p.add_argument("--preset", default=None, help="model preset (default k3-mini)")
+    p.add_argument("--vocab-size", type=int, default=None, help="default: the preset's")
     p.add_argument("--data", default=None, help="corpus (default: the stdlib)")
-    p.add_argument("--steps", type=int, default=None, help="steps per run (default 300)")
+    p.add_argument("--steps", type=int, default=None, help="steps per run (default 450)")
     p.add_argument("--seq-len", type=int, default=None)
     p.add_argument("--batch-size", type=int, default=None)
     p.add_argument("--lr", type=float, default=None)
@@ -217,8 +215,8 @@ def run_from_args(args: argparse.Namespace) -> int:
     results = run_ablation(base, args.variants, args.seeds, out, jobs=args.jobs)
     table = results_table(results, args.variants)
     setup = (
-        f"{base.preset} (vocab {base.vocab_size}), {base.steps} steps x {base.batch_size} x {base.seq_len} "
-        f"tokens, seeds {args.seeds}, data {base.data or 'stdlib'}"
+        f"{base.preset} (vocab {base.model_config().vocab_size}), {base.steps} steps x {base.batch_size} x "
+        f"{base.seq_len} tokens, seeds {args.seeds}, data {base.data or 'stdlib'}"
     )
     (out / "ablations.md").write_text(f"# Ablations\n\n{setup}\n\n{table}\n")
     plot_results(results, args.variants, out / "ablations.png")

@@ -30,7 +30,7 @@ def run(args: argparse.Namespace) -> int | None:
 # ---- train -----------------------------------------------------------------------------------------
 
 _TRAIN_FLAGS = {  # flag -> (TrainConfig field, type, help)
-    "--preset": ("preset", str, "preset name or config.json (default k3-tiny)"),
+    "--preset": ("preset", str, "preset name or config.json (default k3-mini)"),
     "--data": ("data", str, "directory of text files, .jsonl with 'text', or .parquet (default: the stdlib)"),
     "--out": ("out", str, "run directory (default runs/<preset>-<timestamp>)"),
     "--minutes": ("minutes", float, "training-loop time budget (default 10)"),
@@ -51,6 +51,7 @@ _TRAIN_FLAGS = {  # flag -> (TrainConfig field, type, help)
     "--log-every": ("log_every", int, "progress line every N steps when stderr is not a terminal"),
     "--optimizer": ("optimizer", str, "muon (Muon + AdamW) or adamw (AdamW only)"),
     "--schedule": ("schedule", str, "cosine (warm-up + cosine) or wsd (warm-up, stable, decay)"),
+    "--decay-frac": ("decay_frac", float, "wsd: fraction of the steps in the final linear decay to 0"),
     "--qk-clip-tau": ("qk_clip_tau", float, "QK-Clip threshold on MLA max logits (default 100)"),
     "--vocab-size": ("vocab_size", int, "tokenizer / model vocabulary (default: the preset's)"),
     "--threads": ("threads", int, "torch intra-op threads"),
@@ -66,7 +67,7 @@ _TRAIN_FLAGS = {  # flag -> (TrainConfig field, type, help)
 
 
 def _train_args(p: argparse.ArgumentParser) -> None:
-    p.description = "Train a K3 model (default: k3-tiny on the Python stdlib for 10 minutes on CPU)."
+    p.description = "Train a K3 model (default: k3-mini on the Python stdlib for 10 minutes on CPU)."
     for flag, (_, typ, help_) in _TRAIN_FLAGS.items():
         choices = {"--optimizer": ("muon", "adamw"), "--schedule": ("cosine", "wsd")}.get(flag)
         p.add_argument(flag, type=typ, default=None, help=help_, choices=choices)
@@ -206,6 +207,13 @@ def _eval_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seq-len", type=int, help="default: the run's (else 256)")
     p.add_argument("--batch-size", type=int, help="default: the run's (else 8)")
     p.add_argument("--tokens", type=int, help="validation tokens to score (default: all of the split)")
+    p.add_argument(
+        "--parse",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also sample N continuations per prompt and report the share of top-level blocks that parse",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -262,12 +270,33 @@ def run_eval(args: argparse.Namespace) -> int:
         bf16=run.bf16,
     )
     res["data"] = data or "stdlib"
+    if not args.tokens:  # the whole split: the compressors on exactly the scored bytes
+        from k3.data.eval_set import build_eval_set
+        from k3.train.baselines import compressor_bpb, eval_set_bytes
+
+        order = build_eval_set(docs, seq_len, tok.eos_id).order
+        res["baselines_bpb"] = compressor_bpb(eval_set_bytes(docs, order, tok, token_byte_lengths(tok)))
+    if args.parse:
+        from k3.train import samples as smp
+
+        texts = smp.sample_texts(
+            model, tok, smp.PARSE_PROMPTS, args.parse, smp.PARSE_TOKENS, run.sample_temperature, smp.TOP_K,
+            run.seed,
+        )  # fmt: skip
+        res["parse_fraction"], res["parsed_blocks"], res["sampled_blocks"] = smp.parse_fraction(texts)
     if args.json:
         print(json.dumps(res))
-    else:
+        return 0
+    print(
+        f"val loss {res['val_loss']:.4f} nats/token | val bpb {res['val_bpb']:.4f} | "
+        f"{res['tokens']:,} tokens ({res['bytes']:,} bytes) of {res['data']}"
+    )
+    if "baselines_bpb" in res:
+        print("same bytes: " + " | ".join(f"{k} {v:.4f}" for k, v in res["baselines_bpb"].items()))
+    if args.parse:
         print(
-            f"val loss {res['val_loss']:.4f} nats/token | val bpb {res['val_bpb']:.4f} | "
-            f"{res['tokens']:,} tokens ({res['bytes']:,} bytes) of {res['data']}"
+            f"sampled top-level blocks that parse: {res['parsed_blocks']} of {res['sampled_blocks']} "
+            f"({100 * res['parse_fraction']:.0f} %)"
         )
     return 0
 

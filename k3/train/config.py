@@ -4,7 +4,8 @@ A run is `TrainConfig` (this file) + `K3Config` (k3/config.py, the preset with `
 applied). Recipes are Python functions returning a TrainConfig (torchtitan style, STYLE §9); the CLI
 is a thin, flat override of their fields (`k3 train --lr ...`).
 
-Defaults are tuned for the `k3 train` demo: k3-tiny on the stdlib for 10 minutes on 2 CPU cores.
+Defaults are tuned for the `k3 train` demo: k3-mini on the stdlib for 10 minutes on 2 CPU cores
+(the sweep behind them: docs/training.md).
 Muon's lr is in AdamW units (the update RMS is matched to 0.2, Moonlight), so `lr` and `adamw_lr` can be
 similar; small models like a large lr.
 """
@@ -27,7 +28,7 @@ class TrainConfig:
     """One training run. `steps` or `minutes` bounds it (`steps` wins when both are set)."""
 
     # model and data
-    preset: str = "k3-tiny"  # a preset name or a config.json path
+    preset: str = "k3-mini"  # a preset name or a config.json path
     model_overrides: dict = field(default_factory=dict)  # K3Config fields to replace (ablations)
     data: str | None = None  # None: the Python standard library
     vocab_size: int | None = None  # None: the preset's vocab_size
@@ -37,7 +38,7 @@ class TrainConfig:
     minutes: float | None = 10.0
     # batch
     seq_len: int = 256
-    batch_size: int = 8
+    batch_size: int = 16
     grad_accum: int = 1
     # optimisation
     optimizer: str = "muon"
@@ -47,9 +48,10 @@ class TrainConfig:
     weight_decay: float = 0.1
     momentum: float = 0.95
     betas: tuple[float, float] = (0.9, 0.95)
-    schedule: str = "cosine"
+    schedule: str = "wsd"
     warmup_steps: int = 20
-    min_lr_ratio: float = 0.1
+    min_lr_ratio: float = 0.1  # cosine: the final lr over the peak
+    decay_frac: float = 0.2  # wsd: the last fraction of the steps, decaying linearly to 0
     grad_clip: float = 1.0
     qk_clip_tau: float | None = 100.0  # None: no QK-Clip
     bf16: bool = False
@@ -59,14 +61,16 @@ class TrainConfig:
     # bookkeeping
     seed: int = 0
     out: str | None = None  # None: runs/<preset>-<timestamp>
-    eval_every: int = 100  # steps; 0: only at the end
-    eval_tokens: int = 65536  # validation tokens per evaluation (the same subset every time)
+    eval_every: int | None = None  # steps; 0: only at the end; None: 4 evaluations spread over the run
+    eval_tokens: int = 16384  # validation tokens per evaluation during training (the final one: all of them)
     save_every: int = 200  # steps; 0: only at the end
     keep: int = 2  # training checkpoints kept
     log_every: int = 10
     max_bad_steps: int = 5  # consecutive NaN/inf losses before the run stops
-    sample_prompt: str = "def "
-    sample_tokens: int = 96
+    sample_prompt: str | None = None  # None: "def ", "class ", "import " (k3.train.samples.PROMPTS)
+    sample_tokens: int = 96  # tokens of each printed continuation; 0: no samples (and no parse check)
+    sample_temperature: float = 0.5  # of the printed and the parse-checked continuations (top-k 40)
+    parse_samples: int = 4  # continuations per k3.train.samples.PARSE_PROMPTS prompt (0: no parse check)
     threads: int | None = None  # torch intra-op threads; None: torch's default
     # hooks for later issues: names in k3.train.trainer.MODEL_TRANSFORMS applied after init (e.g. "qat-mx")
     model_transforms: tuple[str, ...] = ()
@@ -88,8 +92,13 @@ class TrainConfig:
         ):
             v = getattr(self, key)
             check(isinstance(v, int) and v >= (0 if key == "warmup_steps" else 1), key, f"bad value {v!r}")
-        for key in ("eval_every", "save_every", "eval_tokens", "sample_tokens"):
-            check(isinstance(getattr(self, key), int) and getattr(self, key) >= 0, key, "must be an int >= 0")
+        for key in ("eval_every", "save_every", "eval_tokens", "sample_tokens", "parse_samples"):
+            v = getattr(self, key)
+            check(
+                (v is None and key == "eval_every") or (isinstance(v, int) and v >= 0),
+                key,
+                "must be an int >= 0",
+            )
         check(self.steps is None or self.steps >= 1, "steps", f"must be >= 1, got {self.steps}")
         check(self.minutes is None or self.minutes > 0, "minutes", f"must be > 0, got {self.minutes}")
         check(self.steps is not None or self.minutes is not None, "steps", "set steps or minutes")
@@ -97,9 +106,10 @@ class TrainConfig:
             self.optimizer in OPTIMIZERS, "optimizer", f"must be one of {OPTIMIZERS}, got {self.optimizer!r}"
         )
         check(self.schedule in SCHEDULES, "schedule", f"must be one of {SCHEDULES}, got {self.schedule!r}")
-        for key in ("lr", "adamw_lr", "weight_decay", "grad_clip"):
+        for key in ("lr", "adamw_lr", "weight_decay", "grad_clip", "sample_temperature"):
             check(getattr(self, key) >= 0, key, "must be >= 0")
         check(0 <= self.min_lr_ratio <= 1, "min_lr_ratio", "must be in [0, 1]")
+        check(0 < self.decay_frac <= 1, "decay_frac", f"must be in (0, 1], got {self.decay_frac}")
         check(self.qk_clip_tau is None or self.qk_clip_tau > 0, "qk_clip_tau", "must be > 0 or None")
         check(0 < self.val_percent < 100, "val_percent", "must be in (0, 100)")
         check(self.threads is None or self.threads >= 1, "threads", "must be >= 1")
@@ -166,8 +176,8 @@ K2_MODEL = dict(
 )
 
 
-def k3_tiny_demo() -> TrainConfig:
-    """`k3 train` with no arguments: k3-tiny, stdlib, 10 minutes."""
+def k3_mini_demo() -> TrainConfig:
+    """`k3 train` with no arguments: k3-mini, stdlib, 10 minutes."""
     return TrainConfig()
 
 

@@ -19,7 +19,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from k3.data import PackedLoader, TokenizedDocs
+from k3.data import TokenizedDocs
+from k3.data.eval_set import IGNORE_INDEX, EvalSet, build_eval_set
 from k3.model.generate import generate
 
 
@@ -27,8 +28,9 @@ def token_byte_lengths(tokenizer) -> np.ndarray:
     """[vocab_size] int64: UTF-8 bytes each id stands for (0 for the reserved block)."""
     out = np.zeros(tokenizer.vocab_size, dtype=np.int64)
     backend = tokenizer._backend  # noqa: SLF001 -- the tokenizer exposes no per-token byte view
-    if hasattr(backend, "ranks"):  # tiktoken: rank -> bytes
-        for b, r in backend.ranks.items():
+    if not hasattr(backend, "tok"):  # tiktoken: bytes -> rank (a dict, or a method returning one)
+        ranks = backend.ranks() if callable(backend.ranks) else backend.ranks
+        for b, r in ranks.items():
             out[r] = len(b)
         return out
     for i in range(tokenizer.base):
@@ -45,62 +47,55 @@ def _autocast(bf16: bool, device_type: str = "cpu"):
 @torch.no_grad()
 def evaluate(
     model: nn.Module,
-    docs: TokenizedDocs,
+    docs: TokenizedDocs | EvalSet,
     token_bytes: np.ndarray,
     eos_id: int,
     *,
     seq_len: int,
     batch_size: int,
-    max_tokens: int,
+    max_tokens: int | None = None,
     bf16: bool = False,
     unigram_logp: np.ndarray | None = None,
     runtime=None,
 ) -> dict[str, float]:
     """{"val_loss" (nats/token), "val_bpb", "tokens", "bytes"} (+ "unigram_bpb" of the same targets
-    given `unigram_logp` [V]) over the first `max_tokens` targets of the validation stream, packed in
-    one fixed shuffled document order (seed 0, the same for every run and model), at most one pass.
+    given `unigram_logp` [V]) over the fixed evaluation set of `docs` (k3.data.eval_set: every document
+    once, one seeded order, the same for every run and model): its first `max_tokens` targets (rounded
+    up to whole rows), or all of them for None / 0 -- then "bytes" is exactly the documents' UTF-8 size.
 
     With a distributed `runtime` (k3.train.runtime) every rank scores its batch_size / world_size rows
     of each batch and the sums are all-reduced: the same targets and result as one process."""
     rank, world = (runtime.rank, runtime.world_size) if runtime is not None else (0, 1)
     device = runtime.device if runtime is not None else torch.device("cpu")
-    loader = PackedLoader(
-        docs,
-        seq_len=seq_len,
-        batch_size=batch_size // world,
-        eos_id=eos_id,
-        seed=0,
-        rank=rank,
-        world_size=world,
-    )
-    n_batches = max(1, min(max_tokens // (seq_len * batch_size), loader.batches_per_epoch))
-    lengths = torch.from_numpy(token_bytes)
+    es = docs if isinstance(docs, EvalSet) else build_eval_set(docs, seq_len, eos_id)
+    lengths = torch.from_numpy(np.asarray(token_bytes))
     uni = None if unigram_logp is None else torch.from_numpy(unigram_logp)
     was_training = model.training
     model.eval()
     nats, uni_nats, tokens, nbytes = 0.0, 0.0, 0, 0
     try:
-        for _ in range(n_batches):
-            b = next(loader)
+        for b in es.batches(batch_size, max_tokens, rank, world):
             inputs = {k: b[k].to(device) for k in ("input_ids", "cu_seqlens", "doc_ids")}
             with _autocast(bf16, device.type):
                 logits = model(
                     inputs["input_ids"], cu_seqlens=inputs["cu_seqlens"], doc_ids=inputs["doc_ids"]
                 ).logits
+            labels = b["labels"].flatten()
             losses = torch.nn.functional.cross_entropy(
-                logits.float().flatten(0, 1), b["labels"].to(device).flatten(), reduction="sum"
+                logits.float().flatten(0, 1), labels.to(device), reduction="sum", ignore_index=IGNORE_INDEX
             )
+            real = labels[labels != IGNORE_INDEX]
             nats += float(losses)
-            uni_nats -= 0.0 if uni is None else float(uni[b["labels"]].sum())
-            tokens += b["labels"].numel()
-            nbytes += int(lengths[b["labels"]].sum())
+            uni_nats -= 0.0 if uni is None else float(uni[real].sum())
+            tokens += real.numel()
+            nbytes += int(lengths[real].sum())
     finally:
         model.train(was_training)
     if runtime is not None:
         nats, uni_nats, tokens, nbytes = runtime.sum([nats, uni_nats, tokens, nbytes])
         tokens, nbytes = int(tokens), int(nbytes)
-    res = {"val_loss": nats / tokens, "val_bpb": nats / (math.log(2) * max(nbytes, 1)), "tokens": tokens,
-           "bytes": nbytes}  # fmt: skip
+    res = {"val_loss": nats / max(tokens, 1), "val_bpb": nats / (math.log(2) * max(nbytes, 1)),
+           "tokens": tokens, "bytes": nbytes}  # fmt: skip
     if uni is not None:
         res["unigram_bpb"] = uni_nats / (math.log(2) * max(nbytes, 1))
     return res

@@ -112,26 +112,75 @@ def read_metrics(path: Path) -> list[dict]:
     return [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()]
 
 
-def plot_losses(metrics_path: Path, out_png: Path, title: str = "") -> None:
-    """loss.png: train loss (and its running mean) and val loss against step."""
+def spike_ratio(losses: list[float], warmup: int) -> float:
+    """max over steps >= warmup of loss / (lowest loss so far): 1.0 if the loss never rose (NaNs skipped)."""
+    low, worst = math.inf, 1.0
+    for i, loss in enumerate(losses):
+        if not math.isfinite(loss):
+            continue
+        if i >= warmup and math.isfinite(low):
+            worst = max(worst, loss / low)
+        low = min(low, loss)
+    return worst
+
+
+def ema(values: list[float], alpha: float = 0.05) -> list[float]:
+    """Exponential moving average, debiased so the first values are not pulled towards 0."""
+    out, m, w = [], 0.0, 0.0
+    for v in values:
+        m, w = (1 - alpha) * m + alpha * v, (1 - alpha) * w + alpha
+        out.append(m / w)
+    return out
+
+
+def plot_losses(metrics_path: Path, out_png: Path, title: str = "", warmup: int = 0) -> None:
+    """loss.png. Top: train (per step and smoothed) and val bits per byte against step, with the
+    compressors and the unigram model on the validation bytes drawn across (the `baselines` event).
+    Bottom: each train loss over the lowest one so far, with the 1.5x spike limit and the first `warmup`
+    steps shaded."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     recs = read_metrics(metrics_path)
-    train = [(r["step"], r["loss"]) for r in recs if r["kind"] == "train" and math.isfinite(r["loss"])]
-    val = [(r["step"], r["val_loss"]) for r in recs if r["kind"] == "eval"]
-    fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
+    train = [r for r in recs if r["kind"] == "train" and math.isfinite(r["loss"])]
+    val = [(r["step"], r["val_bpb"]) for r in recs if r["kind"] == "eval"]
+    base = next((r["bpb"] for r in recs if r.get("event") == "baselines"), {})
+    fig, (ax, ax2) = plt.subplots(
+        2, 1, figsize=(8, 6), dpi=110, sharex=True, gridspec_kw={"height_ratios": [3, 1]}
+    )
     if train:
-        ax.plot(*zip(*train, strict=True), lw=0.8, alpha=0.5, label="train loss")
+        steps = [r["step"] for r in train]
+        bpb = [r.get("bpb", r["loss"] / math.log(2)) for r in train]
+        ax.plot(steps, bpb, lw=0.5, alpha=0.3, color="tab:blue", label="train (per step)")
+        ax.plot(steps, ema(bpb), lw=1.6, color="tab:blue", label="train (smoothed)")
+        ratio, low = [], math.inf
+        for r in train:
+            low = min(low, r["loss"])
+            ratio.append(r["loss"] / low)
+        ax2.plot(steps, ratio, lw=0.8, color="tab:blue")
+        if warmup:
+            ax2.axvspan(0, warmup, color="0.9", label="warm-up")
+        ax2.axhline(1.5, color="tab:red", ls="--", lw=1, label="1.5x spike limit")
+        ax2.set_ylim(0.95, max(1.6, min(3.0, max(ratio[len(ratio) // 10 :] or [1.0]) + 0.05)))
+        ax2.set_ylabel("loss / running min")
+        ax2.legend(loc="upper right", fontsize=8)
+        ax2.grid(alpha=0.3)
     if val:
-        ax.plot(*zip(*val, strict=True), "o-", lw=1.5, label="val loss")
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss (nats / token)")
+        ax.plot(*zip(*val, strict=True), "o-", lw=1.8, color="tab:orange", label="val (held-out files)")
+    colors = {"gzip -9": "tab:gray", "bz2 -9": "tab:brown", "xz -9e": "tab:red", "unigram": "tab:purple"}
+    for name, v in sorted(base.items(), key=lambda kv: -kv[1]):
+        ax.axhline(v, ls="--" if name == "xz -9e" else ":", lw=1.3, color=colors.get(name, "black"),
+                   label=f"{name} on the val bytes: {v:.3f}")  # fmt: skip
+    lows = [v for _, v in val] + list(base.values())
+    if lows:
+        ax.set_ylim(min(lows) - 0.25, max(base.get("unigram", 0.0), min(lows)) + 1.0)
+    ax.set_ylabel("bits / byte")
+    ax2.set_xlabel("step")
     ax.set_title(title)
     ax.grid(alpha=0.3)
-    ax.legend()
+    ax.legend(loc="upper right", fontsize=8)
     fig.tight_layout()
     tmp = Path(out_png).with_suffix(".tmp.png")
     fig.savefig(tmp)

@@ -1,4 +1,9 @@
-"""End of a run: final eval, checkpoint, export, sample, MFU and the summary table (summary.json too).
+"""End of a run: final eval, checkpoint, export, samples, MFU and the summary table (summary.json too).
+
+The table puts the model's bits per byte on the whole validation split next to gzip -9, bz2 -9, xz -9e
+and the unigram model on the same bytes (k3.train.baselines), then continuations of a few prompts and the
+share of sampled top-level blocks that `ast.parse` accepts (k3.train.samples), and the largest ratio of
+a training loss after warm-up to the lowest loss before it (a spike check: 1.0 means it never rose).
 
 Export: the run directory itself becomes a loadable K3 checkpoint -- config.json and model.safetensors
 of the final training checkpoint (written by k3.checkpoint) plus tokenizer.json / tokenizer_config.json
@@ -11,10 +16,18 @@ import json
 import os
 import shutil
 import sys
+import time
 from pathlib import Path
 
-from k3.train.evaluate import sample_text
-from k3.train.metrics import flops_per_token, format_duration, plot_losses, summary_table
+from k3.train import samples as smp
+from k3.train.metrics import (
+    flops_per_token,
+    format_duration,
+    plot_losses,
+    read_metrics,
+    spike_ratio,
+    summary_table,
+)
 
 EXPORT_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
 
@@ -45,19 +58,40 @@ def _mfu(trainer) -> dict:
     }
 
 
+def _samples(trainer) -> dict:
+    """Printed continuations and the parse fraction of more of them, all at `sample_temperature` (greedy
+    decoding of a model this small loops on one line; k3.train.samples)."""
+    tc = trainer.tc
+    out = {"samples": [], "parse_fraction": None, "parsed_blocks": 0, "sampled_blocks": 0}
+    if not tc.sample_tokens:
+        return out
+    prompts = smp.PROMPTS if tc.sample_prompt is None else (tc.sample_prompt,)
+    shown = smp.sample_texts(
+        trainer.model, trainer.tokenizer, prompts, 1, tc.sample_tokens, tc.sample_temperature, smp.TOP_K,
+        tc.seed,
+    )  # fmt: skip
+    out["samples"] = [text for text, _ in shown]
+    if tc.parse_samples:
+        sampled = smp.sample_texts(
+            trainer.model, trainer.tokenizer, smp.PARSE_PROMPTS, tc.parse_samples, smp.PARSE_TOKENS,
+            tc.sample_temperature, smp.TOP_K, tc.seed,
+        )  # fmt: skip
+        out["parse_fraction"], out["parsed_blocks"], out["sampled_blocks"] = smp.parse_fraction(sampled)
+    return out
+
+
 def finish_run(trainer, interrupted: bool) -> dict:
-    """Final eval + save + export + sample; prints the summary table; returns the summary dict."""
+    """Final eval + save + export + samples; prints the summary table; returns the summary dict."""
     tc, s = trainer.tc, trainer.state
-    ev = trainer.run_eval()
+    ev = trainer.run_eval(final=True)
     path = trainer.save()
     export_run_dir(path, trainer.out)
-    sample = (
-        sample_text(trainer.model, trainer.tokenizer, tc.sample_prompt, tc.sample_tokens, seed=tc.seed)
-        if tc.sample_tokens
-        else ""
-    )
+    t0 = time.perf_counter()
+    sampled = _samples(trainer)
+    sample_seconds = time.perf_counter() - t0
     perf = _mfu(trainer)
     n_params = sum(p.numel() for p in trainer.model.parameters())
+    train = [r for r in read_metrics(trainer.log.path) if r["kind"] == "train"]
     summary = {
         "preset": tc.preset,
         "out": str(trainer.out),
@@ -70,23 +104,39 @@ def finish_run(trainer, interrupted: bool) -> dict:
         "train_seconds": s["train_seconds"],
         "loop_seconds": getattr(trainer, "loop_seconds", 0.0),
         "data_seconds": trainer.data_seconds,
+        "eval_seconds": ev.get("seconds", 0.0),
+        "sample_seconds": sample_seconds,
         "val_loss": ev["val_loss"],
         "val_bpb": ev["val_bpb"],
         "val_tokens": ev["tokens"],
+        "val_bytes": ev["bytes"],
         "bytes_per_token": ev["bytes"] / max(ev["tokens"], 1),
         "unigram_bpb": ev["unigram_bpb"],
-        "sample": sample,
+        "baselines_bpb": dict(trainer.baselines),
+        "spike_ratio": spike_ratio([r["loss"] for r in train], tc.warmup_steps),
+        "sample": "\n\n".join(sampled["samples"]),
+        **sampled,
         "checkpoint": str(path),
         **perf,
     }
     (trainer.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    plot_losses(trainer.log.path, trainer.out / "loss.png", title=f"{tc.preset} ({trainer.out.name})")
+    plot_losses(
+        trainer.log.path, trainer.out / "loss.png", f"{tc.preset} ({trainer.out.name})", tc.warmup_steps
+    )
     if not trainer.quiet:
         _print_report(summary)
     return summary
 
 
 def _print_report(sm: dict) -> None:
+    base = sm["baselines_bpb"]
+    best = min((v, k) for k, v in base.items() if k != "unigram")
+    verdict = "beats" if sm["val_bpb"] < best[0] else "does not beat"
+    parse = (
+        f"{100 * sm['parse_fraction']:.0f} % ({sm['parsed_blocks']} of {sm['sampled_blocks']} blocks)"
+        if sm["parse_fraction"] is not None
+        else "--"
+    )
     rows = [
         ("preset", sm["preset"]),
         ("parameters", f"{sm['params'] / 1e6:.2f} M"),
@@ -101,14 +151,19 @@ def _print_report(sm: dict) -> None:
         ("matmul peak", f"{sm['peak_flops'] / 1e9:.1f} GFLOP/s (measured)"),
         ("MFU", f"{100 * sm['mfu']:.1f} %"),
         ("val loss", f"{sm['val_loss']:.4f} nats/token"),
-        ("val bits / byte", f"{sm['val_bpb']:.4f}"),
-        ("unigram bits / byte", f"{sm['unigram_bpb']:.4f}"),
+        ("val bits / byte", f"{sm['val_bpb']:.4f} ({verdict} {best[1]})"),
+        *((f"  {name} bits / byte", f"{v:.4f}") for name, v in base.items()),
+        ("val bytes", f"{sm['val_bytes']:,} (every validation file, never trained on)"),
         ("bytes / token", f"{sm['bytes_per_token']:.2f}"),
+        ("samples that parse", parse),
+        ("max loss / running min", f"{sm['spike_ratio']:.2f} (after warm-up)"),
         ("skipped steps", str(sm["skipped_steps"])),
         ("output", sm["out"]),
     ]
     out = sys.stdout
-    if sm["sample"]:
-        out.write("\n--- sample " + "-" * 60 + "\n" + sm["sample"] + "\n" + "-" * 71 + "\n\n")
+    for text in sm["samples"]:
+        out.write("\n--- sample " + "-" * 60 + "\n" + text + "\n")
+    if sm["samples"]:
+        out.write("-" * 71 + "\n\n")
     out.write(summary_table(rows, title="k3 train") + "\n")
     out.flush()

@@ -27,10 +27,13 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from k3.model.layers import Linear
 from k3.model.mla import MLAAttention, doc_positions
 from k3.model.moe import Router
+from k3.model.transformer import K3ForCausalLM, make_context
 from k3.ops.mla import causal_mask
 from k3.ops.rope import apply_rope
+from k3.train.loss import chunked_linear_cross_entropy
 from k3.train.runtime import LocalRuntime
 
 LOCAL = LocalRuntime()
@@ -111,9 +114,19 @@ def max_logits(
 
 
 def forward_loss(model: nn.Module, batch: dict, bf16: bool) -> torch.Tensor:
-    """Mean next-token cross-entropy of one packed micro-batch (a test seam: NaN injection patches it)."""
+    """Mean next-token cross-entropy of one packed micro-batch (a test seam: NaN injection patches it).
+
+    A plain single-process K3ForCausalLM with gradients on runs the trunk, then the head and loss as
+    `chunked_linear_cross_entropy` (k3.train.loss: the same loss without the [B*T, V] logits); anything
+    else (a QAT or sharded head, no autograd) calls the model with labels."""
     ctx = torch.autocast(batch["input_ids"].device.type, dtype=torch.bfloat16) if bf16 else nullcontext()
     with ctx:
+        if _chunked_head(model):
+            c = make_context(*batch["input_ids"].shape, batch["cu_seqlens"], batch["doc_ids"], None)
+            h = model.model.norm(model.model(batch["input_ids"], ctx=c))
+            return chunked_linear_cross_entropy(
+                h.flatten(0, 1), model.lm_head.weight, batch["labels"].flatten()
+            )
         out = model(
             batch["input_ids"],
             labels=batch["labels"],
@@ -121,6 +134,16 @@ def forward_loss(model: nn.Module, batch: dict, bf16: bool) -> torch.Tensor:
             doc_ids=batch["doc_ids"],
         )
     return out.loss
+
+
+def _chunked_head(model: nn.Module) -> bool:
+    return (
+        torch.is_grad_enabled()
+        and type(model) is K3ForCausalLM
+        and type(model.lm_head) is Linear
+        and type(model.lm_head.weight) is nn.Parameter
+        and not (torch.distributed.is_available() and torch.distributed.is_initialized())
+    )
 
 
 def _drop_step(model: nn.Module, optimizers, monitor: MaxLogitMonitor | None) -> None:

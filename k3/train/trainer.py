@@ -34,12 +34,14 @@ import numpy as np
 import torch
 
 from k3.config import K3Config
-from k3.data import PackedLoader, prepare_data
+from k3.data import ShuffledRows, prepare_data
+from k3.data.eval_set import IGNORE_INDEX, build_eval_set
 from k3.model.init import init_weights
 from k3.model.transformer import K3ForCausalLM
 from k3.optim import warmup_cosine, wsd
 from k3.quant.qat import maybe_enable_qat
 from k3.train import checkpointing as ckpt
+from k3.train.baselines import compressor_bpb, eval_set_bytes
 from k3.train.config import TrainConfig
 from k3.train.evaluate import evaluate, token_byte_lengths, unigram_log_probs
 from k3.train.metrics import (
@@ -47,6 +49,7 @@ from k3.train.metrics import (
     ProgressBar,
     measure_matmul_peak,
     plot_losses,
+    read_metrics,
 )
 from k3.train.param_groups import build_optimizers
 from k3.train.runtime import LocalRuntime
@@ -62,6 +65,17 @@ def _qat_mx(model: torch.nn.Module, config: K3Config) -> torch.nn.Module:
 # name -> fn(model, model_config) returning the model to train; applied after init, before the optimizers
 MODEL_TRANSFORMS: dict[str, Callable[[torch.nn.Module, K3Config], torch.nn.Module]] = {"qat-mx": _qat_mx}
 CALIBRATION_STEPS = 8  # steps timed before a --minutes run fixes its step count
+# a --minutes WSD run times its steps again here: the first steps run slower than the rest (allocator,
+# caches), so the first estimate leaves ~15 % of the budget unused; moving the end is free while the lr
+# still holds at its peak
+RETIME_STEPS = (32, 128)
+AUTO_EVALS = 4  # evaluations during a run with eval_every=None, evenly spaced
+
+
+def eval_steps(total: int, n: int = AUTO_EVALS) -> set[int]:
+    """Steps after which a run of `total` steps evaluates when eval_every is None: n evenly spaced
+    points strictly inside the run (the final evaluation comes after the last step)."""
+    return {round(total * i / (n + 1)) for i in range(1, n + 1)} - {0, total}
 
 
 def register_model_transform(name: str, fn: Callable[[torch.nn.Module, K3Config], torch.nn.Module]) -> None:
@@ -109,8 +123,9 @@ def lr_multiplier(tc: TrainConfig, step: int, total: int | None) -> float:
     warmup = min(tc.warmup_steps, total) if total else tc.warmup_steps
     if total is None:
         return min(1.0, (step + 1) / max(warmup, 1))
-    if tc.schedule == "wsd":  # hold, then a linear decay to 0 over the last 20 % of the steps
-        return wsd(step, total, min(warmup, total - round(0.2 * total)), decay_frac=0.2, min_ratio=0.0)
+    if tc.schedule == "wsd":  # hold, then a linear decay to 0 over the last decay_frac of the steps
+        warmup = min(warmup, total - round(tc.decay_frac * total))
+        return wsd(step, total, warmup, decay_frac=tc.decay_frac, min_ratio=0.0)
     return warmup_cosine(step, total, warmup, tc.min_lr_ratio)
 
 
@@ -203,14 +218,16 @@ class Trainer:
         self.data_seconds = time.perf_counter() - t0
         self.tokenizer = self.data.tokenizer
         self.token_bytes = token_byte_lengths(self.tokenizer)
+        self._token_bytes_t = torch.from_numpy(self.token_bytes)
         self.unigram_logp = unigram_log_probs(self.data.train, self.tokenizer.eos_id, self.config.vocab_size)
         if self.data.val.num_docs == 0:
             raise ValueError(
                 f"data: the validation split of {tc.data or 'the stdlib'} is empty; add documents"
             )
+        self.eval_set = build_eval_set(self.data.val, tc.seq_len, self.tokenizer.eos_id)
         self.model = rt.prepare_model(self._build_model(), capacity_factor=tc.capacity_factor)
         self.optimizers = build_optimizers(self.model, **tc.optimizer_options(), muon_class=rt.muon_class)
-        self.loader = PackedLoader(
+        self.loader = ShuffledRows(  # rows in random order: a batch spans many files (k3/data/rows.py)
             self.data.train,
             tc.seq_len,
             tc.batch_size // rt.world_size,
@@ -237,6 +254,7 @@ class Trainer:
             self._resume()
         if rt.is_main:
             (self.out / "train_config.json").write_text(tc.to_json() + "\n")
+        self.baselines = self._baselines()
         self._say(f"parallel: {rt.describe()}" if rt.distributed else "")
 
     def _build_model(self) -> torch.nn.Module:
@@ -269,6 +287,18 @@ class Trainer:
             self.state["total_steps"] = self.tc.steps  # an explicit --steps extends/shortens the schedule
         self.log.truncate_after(self.state["step"])
         self._say(f"resumed from {self.resume_from} at step {self.state['step']}")
+
+    def _baselines(self) -> dict[str, float]:
+        """Bits per byte of the compressors and of the unigram model on exactly the bytes the final
+        evaluation scores (k3.train.baselines); logged once as a `baselines` event for loss.png."""
+        es = self.eval_set
+        data = eval_set_bytes(self.data.val, es.order, self.tokenizer, self.token_bytes)
+        out = compressor_bpb(data)
+        labels = es.labels[es.labels != IGNORE_INDEX].numpy()
+        out["unigram"] = float(-self.unigram_logp[labels].sum() / (math.log(2) * len(data)))
+        if not any(r.get("event") == "baselines" for r in read_metrics(self.log.path)):
+            self.log.write("event", step=0, event="baselines", bytes=len(data), bpb=out)
+        return out
 
     # ---- helpers ----------------------------------------------------------------------------------
     def _say(self, text: str) -> None:
@@ -309,26 +339,32 @@ class Trainer:
         self.log.write("event", step=self.state["step"], event="checkpoint", path=str(path))
         return path
 
-    def run_eval(self) -> dict:
+    def run_eval(self, final: bool = False) -> dict:
+        """Score the fixed evaluation set: its first `eval_tokens` targets during training, all of it
+        (every validation byte, the compressors' input) for the `final` evaluation."""
         if self._final is not None:
             return self._final[0]
         tc = self.tc
+        t0 = time.perf_counter()
         res = evaluate(
             self.model,
-            self.data.val,
+            self.eval_set,
             self.token_bytes,
             self.tokenizer.eos_id,
             seq_len=tc.seq_len,
             batch_size=tc.batch_size,
-            max_tokens=tc.eval_tokens,
+            max_tokens=None if final else tc.eval_tokens,
             bf16=tc.bf16,
             unigram_logp=self.unigram_logp,
             runtime=self.rt,
         )
-        self.log.write("eval", step=self.state["step"], **res)
+        res["seconds"] = time.perf_counter() - t0
+        self.log.write("eval", step=self.state["step"], final=final, **res)
         self._say(f"step {self.state['step']}: val loss {res['val_loss']:.4f}  val bpb {res['val_bpb']:.4f}")
         if self.rt.is_main:
-            plot_losses(self.log.path, self.out / "loss.png", title=f"{tc.preset} ({self.out.name})")
+            plot_losses(
+                self.log.path, self.out / "loss.png", f"{tc.preset} ({self.out.name})", tc.warmup_steps
+            )
         return res
 
     # ---- loop -------------------------------------------------------------------------------------
@@ -336,19 +372,56 @@ class Trainer:
         """--minutes: after CALIBRATION_STEPS, total = steps that fit before the deadline (evals included)."""
         tc = self.tc
         per_step = 1.05 * float(np.median(step_times[2:] or step_times))  # 5 %: steps slow down a little
-        per_eval = per_step / (3 * tc.grad_accum) * max(1, tc.eval_tokens // (tc.seq_len * tc.batch_size))
+        # an evaluation: forward only (~1/3 of a step per token) over eval_tokens
+        per_eval = per_step / (3 * tc.grad_accum) * max(1, -(-tc.eval_tokens // (tc.seq_len * tc.batch_size)))
         left = deadline - time.perf_counter()
+        if tc.eval_every is None:  # a fixed number of evaluations, whatever the length
+            left -= AUTO_EVALS * per_eval
         per_step_all = per_step + (per_eval / tc.eval_every if tc.eval_every else 0.0)
-        total = self.state["step"] + max(1, int((left - per_eval) / per_step_all))
+        total = self.state["step"] + max(1, int(left / per_step_all))
         self.state["total_steps"] = self.rt.broadcast(max(total, self.state["step"] + 1, tc.warmup_steps + 1))
         self._say(
             f"time budget {tc.minutes:g} min -> {self.state['total_steps']} steps ({per_step:.2f} s/step)"
         )
 
+    def _retime_total(self, step_times: list[float], deadline: float) -> None:
+        """--minutes + wsd: refit the step count to the recent step time, if the lr is still at its peak
+        under both the old and the new count (the schedule up to here is then the same either way)."""
+        tc, s = self.tc, self.state
+        per_step = 1.04 * float(np.median(step_times[CALIBRATION_STEPS:] or step_times))  # robust to a blip
+        per_eval = per_step / (3 * tc.grad_accum) * max(1, -(-tc.eval_tokens // (tc.seq_len * tc.batch_size)))
+        old = s["total_steps"]
+        if tc.eval_every is None:
+            evals = sum(e > s["step"] for e in eval_steps(old))
+        else:
+            evals = (old - s["step"]) // tc.eval_every if tc.eval_every else 0
+        left = deadline - time.perf_counter() - evals * per_eval
+        new = self.rt.broadcast(max(s["step"] + 1, s["step"] + int(left / per_step)))
+        hold = lambda total: total - round(tc.decay_frac * total)  # noqa: E731 -- the decay's first step
+        if new != old and s["step"] < min(hold(old), hold(new)) and tc.warmup_steps < hold(new):
+            s["total_steps"] = new
+            self._say(f"re-timed at step {s['step']}: {per_step:.2f} s/step -> {new} steps")
+
+    def _eval_due(self, step: int) -> bool:
+        """An evaluation during training after `step` (never at the last step: the final one follows)."""
+        tc, total = self.tc, self.state["total_steps"]
+        if step == total:
+            return False
+        if tc.eval_every is not None:
+            return bool(tc.eval_every) and step % tc.eval_every == 0
+        return total is not None and step in eval_steps(total)
+
     def _micro_batches(self) -> list[dict]:
         dev = self.rt.device
         batches = [next(self.loader) for _ in range(self.tc.grad_accum)]
         return batches if dev.type == "cpu" else [{k: v.to(dev) for k, v in b.items()} for b in batches]
+
+    def _train_bpb(self, loss: float, batches: list[dict]) -> float:
+        """The step's loss in bits per byte, with this rank's rows' bytes per target token."""
+        labels = torch.cat([b["labels"].flatten() for b in batches]).cpu()
+        labels = labels[labels != IGNORE_INDEX]
+        nbytes = int(self._token_bytes_t[labels].sum())
+        return loss * labels.numel() / (math.log(2) * max(nbytes, 1))
 
     def _log_step(self, res, mult: float, dt: float, rate: float, extra: dict) -> None:
         s = self.state
@@ -404,9 +477,10 @@ class Trainer:
             maybe_enable_qat(self.model, s["step"], qat_from)
             mult = self._set_lr(s["step"])
             t = time.perf_counter()
+            batches = self._micro_batches()
             res = train_step(
                 self.model,
-                self._micro_batches(),
+                batches,
                 self.optimizers,
                 grad_clip=tc.grad_clip,
                 bf16=tc.bf16,
@@ -425,11 +499,18 @@ class Trainer:
                 self._handle_bad(res)
             else:
                 s["bad_streak"] = 0
-            self._log_step(res, mult, dt, rate, extra)
+            self._log_step(res, mult, dt, rate, {**extra, "bpb": self._train_bpb(res.loss, batches)})
             if s["total_steps"] is None and len(step_times) >= CALIBRATION_STEPS:
                 self._fix_total(step_times, deadline)
+            elif (
+                len(step_times) in RETIME_STEPS
+                and tc.schedule == "wsd"
+                and tc.steps is None
+                and self.resume_from is None  # a resumed run keeps the total it started with
+            ):
+                self._retime_total(step_times, deadline)
             self._progress(res.loss, rate, step_times)
-            if tc.eval_every and s["step"] % tc.eval_every == 0 and s["step"] != s["total_steps"]:
+            if self._eval_due(s["step"]):
                 self.run_eval()
             if tc.save_every and s["step"] % tc.save_every == 0:
                 self.save()
@@ -505,7 +586,7 @@ class Trainer:
             return finish_run(self, interrupted)
         # the collective part on every rank: final eval, DCP checkpoint; rank 0 then consolidates it to
         # the official layout in the run directory and reports from that unsharded model (the sample)
-        ev, path = self.run_eval(), self.save()
+        ev, path = self.run_eval(final=True), self.save()
         plain = self.rt.consolidate(path, self.out)
         self.rt.barrier()
         self._final = (ev, path)

@@ -17,7 +17,7 @@ def _parse(*argv):
 
 def test_no_flags_is_the_demo_recipe():
     assert train_config_from_args(_parse()) == TrainConfig()
-    assert TrainConfig().preset == "k3-tiny" and TrainConfig().minutes == 10
+    assert TrainConfig().preset == "k3-mini" and TrainConfig().minutes == 10
 
 
 def test_flags_map_onto_fields():
@@ -33,7 +33,7 @@ def test_flags_map_onto_fields():
         "--optimizer",
         "adamw",
         "--schedule",
-        "wsd",
+        "cosine",
         "--qk-clip-tau",
         "50",
         "--grad-accum",
@@ -52,7 +52,8 @@ def test_flags_map_onto_fields():
         False,
         True,
     )
-    assert (tc.optimizer, tc.schedule, tc.qk_clip_tau, tc.grad_accum, tc.seed) == ("adamw", "wsd", 50.0, 2, 3)
+    got = (tc.optimizer, tc.schedule, tc.qk_clip_tau, tc.grad_accum, tc.seed)
+    assert got == ("adamw", "cosine", 50.0, 2, 3)
     assert tc.model_transforms == ("qat-mx",)
     assert _explicit_changes(_parse("--no-qk-clip")) == {"qk_clip_tau": None}
 
@@ -83,7 +84,7 @@ def test_qat_transform_trains(make_tc):
 def test_schedules():
     from k3.train.trainer import lr_multiplier
 
-    tc = TrainConfig(warmup_steps=10, min_lr_ratio=0.1)
+    tc = TrainConfig(warmup_steps=10, min_lr_ratio=0.1, schedule="cosine")
     assert lr_multiplier(tc, 0, None) == pytest.approx(0.1) and lr_multiplier(tc, 50, None) == 1.0
     cos = [lr_multiplier(tc, s, 100) for s in range(100)]
     assert cos[9] == 1.0 and cos[10] == 1.0 and cos[-1] == pytest.approx(0.1, abs=1e-3)
@@ -95,3 +96,18 @@ def test_schedules():
 def test_bf16_autocast_trains(make_tc):
     summary = Trainer(make_tc(steps=3, bf16=True), quiet=True).run(measure_peak=False)
     assert summary["skipped_steps"] == 0 and summary["val_loss"] < 7.0
+
+
+def test_a_minutes_wsd_run_retimes_its_end_only_while_the_lr_holds(make_tc):
+    import time
+
+    t = Trainer(make_tc(steps=None, minutes=1.0, schedule="wsd", warmup_steps=2, eval_every=0), quiet=True)
+    t.state.update(step=32, total_steps=100)
+    t._retime_total([0.01] * 32, deadline=time.perf_counter() + 2.0)  # 2 s left at 10 ms a step
+    assert 200 < t.state["total_steps"] < 240  # 32 + ~196
+    t.state.update(step=85, total_steps=100)  # past the decay start (80): the end stays
+    t._retime_total([0.01] * 32, deadline=time.perf_counter() + 2.0)
+    assert t.state["total_steps"] == 100
+    t.state.update(step=32, total_steps=100)  # a shorter end whose decay would start before step 32
+    t._retime_total([0.01] * 32, deadline=time.perf_counter() + 0.05)
+    assert t.state["total_steps"] == 100
