@@ -568,10 +568,13 @@ def parse_args(argv):
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--plot", type=Path, default=None)
     a = p.parse_args(argv)
-    if a.quick:
+    if a.quick:  # small settings for whatever was not given on the command line
         for k, v in QUICK.items():
-            setattr(a, k, v)
-        a.format_threads = a.serve_threads = a.long_threads = a.threads
+            if getattr(a, k) == p.get_default(k):
+                setattr(a, k, v)
+        for k in ("format_threads", "serve_threads", "long_threads"):
+            if getattr(a, k) == p.get_default(k):
+                setattr(a, k, a.threads)
     a.workdir = a.workdir or default_workdir()
     ints = lambda s: [int(x) for x in str(s).split(",") if x]  # noqa: E731
     a.prefill_list, a.long_threads_list = sorted(ints(a.prefill)), ints(a.long_threads)

@@ -190,7 +190,7 @@ class Engine:
     def _check_stop(self, seq: Sequence, tok: int) -> None:
         p = seq.params
         if self.tokenizer is not None:
-            seq.text = self.tokenizer.decode(seq.output)
+            seq.text = self._detokenize(seq)
             for s in p.stop:
                 at = seq.text.find(s)
                 if at >= 0:
@@ -200,6 +200,16 @@ class Engine:
             return self._finish(seq, "stop")
         if len(seq.output) >= p.max_tokens or len(seq) >= self.config.max_model_len:
             return self._finish(seq, "length")
+
+    def _detokenize(self, seq: Sequence) -> str:
+        """decode(seq.output), decoding only the tokens after the last whole-character boundary: byte-level
+        BPE text is the concatenation of its tokens' bytes, so decode(a + b) == decode(a) + decode(b)
+        whenever a's bytes end on a whole UTF-8 character (its decoding does not end in U+FFFD)."""
+        tail = self.tokenizer.decode(seq.output[seq.stable_ids :])
+        text = seq.stable_text + tail
+        if not tail.endswith("\ufffd"):
+            seq.stable_ids, seq.stable_text = len(seq.output), text
+        return text
 
     def _fail(self, seq: Sequence, error: Exception) -> None:
         """End one request whose own step failed (finish_reason "error"); the rest of its batch goes on.

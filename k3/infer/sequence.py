@@ -71,6 +71,10 @@ class Sequence:
     finish_reason: str | None = None
     error: str | None = None  # why this request alone failed (finish_reason "error"), e.g. its sampling
     text: str = ""  # detokenized output (when the engine has a tokenizer), cut at a stop string
+    # incremental detokenizing: output[:stable_ids] decodes to exactly stable_text (ends on a whole
+    # character), so each step decodes only the tokens after it
+    stable_ids: int = 0
+    stable_text: str = ""
     cached_tokens: int = 0  # prompt tokens served from the prefix cache at admission
     junction: int = 0  # where the cached MLA chain outruns the snapshots: a chunk ends there
     generator: object = None  # torch.Generator for seeded sampling (set by the engine)

@@ -111,3 +111,25 @@ def test_stop_strings_cut_the_text(nano, prompt):
         [p], SamplingParams(max_tokens=12, stop=(stop,), ignore_eos=True)
     )[0]
     assert cut.finish_reason == "stop" and cut.text == free.text[: free.text.index(stop)]
+
+
+def test_incremental_detokenizing_equals_decoding_the_whole_output():
+    """The engine decodes only the tokens after the last whole character; a character whose bytes span
+    several tokens (the byte-level fallback of rare characters) shows only once complete."""
+    from types import SimpleNamespace
+
+    from k3.infer.sequence import Sequence
+    from k3.tokenizer import train_tokenizer
+
+    tok = train_tokenizer(["plain ascii words and more words\n"] * 20, vocab_size=512)
+    text = "héllo wörld 日本語 🙂 ok ∑x ≤ 3 \U0001f9ea end"
+    ids = tok.encode(text)
+    assert len(ids) > len(text.encode()) // 2  # most non-ASCII bytes are tokens of their own
+    engine = SimpleNamespace(tokenizer=tok)
+    seq = Sequence(prompt=[1])
+    for i in ids:
+        seq.output.append(i)
+        got = Engine._detokenize(engine, seq)
+        whole = tok.decode(seq.output)
+        assert got == whole
+    assert got == text and seq.stable_ids == len(ids)

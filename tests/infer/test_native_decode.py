@@ -73,8 +73,18 @@ def set_pools(runner, saved):
         t.copy_(s)
 
 
+# ragged rows over their own pages: (token, KDA slot, MLA pages, cached length); six rows run the
+# products' 4-row blocks and their remainder
+ROWS = [(5, 2, [3, 1, 7], 37), (300, 0, [0], 9), (17, 5, [2, 4], 20), (99, 1, [5, 6], 30),
+        (640, 3, [8], 3), (2, 4, [9, 10, 11], 40)]  # fmt: skip
+
+
+def columns(n: int) -> tuple[list, list, list, list]:
+    return tuple(list(c) for c in zip(*ROWS[:n], strict=True))
+
+
 @pytest.mark.parametrize("name", [*VARIANTS, "nano + MXFP4 experts"])
-@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("rows", [1, 3, 6])
 def test_native_step_equals_the_torch_step(name, rows):
     """MXFP4: the kernel decodes the packed codes in registers; the torch step dequantizes them."""
     from k3.quant.packed import pack_model_experts
@@ -86,9 +96,7 @@ def test_native_step_equals_the_torch_step(name, rows):
     assert native is not None, unsupported(r)
     fill_pools(r, seed=rows)
     start = pools_of(r)
-    ids, slots = [5, 300, 17][:rows], [2, 0, 5][:rows]
-    tables = [[3, 1, 7], [0], [2, 4]][:rows]
-    lengths = [37, 9, 20][:rows]  # ragged rows, each over its own pages
+    ids, slots, tables, lengths = columns(rows)
     ref_logits, ours = [], []
     for step in range(3):  # three steps: the second and third read what the first wrote
         with torch.no_grad():
@@ -112,9 +120,9 @@ def test_a_row_does_not_depend_on_its_batch():
     native = NativeDecode.build(r)
     fill_pools(r, seed=5)
     start = pools_of(r)
-    rows = ([5, 300, 17], [2, 0, 5], [[3, 1, 7], [0], [2, 4]], [37, 9, 20])
+    rows = columns(6)
     together = native(*rows)
-    for b in range(3):
+    for b in range(6):
         set_pools(r, start)
         alone = native(*([v[b]] for v in rows))
         assert torch.equal(alone[0], together[b])
@@ -132,7 +140,7 @@ def test_thread_count_does_not_change_a_bit():
         for threads in (1, 2, 3):
             torch.set_num_threads(threads)
             set_pools(r, start)
-            outs.append((native([9, 4], [1, 3], [[5], [6, 2]], [11, 30]), pools_of(r)))
+            outs.append((native(*columns(6)), pools_of(r)))
     finally:
         torch.set_num_threads(n)
     for logits, pools in outs[1:]:

@@ -162,3 +162,16 @@ def test_terminal_chat(checkpoint):
     )
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.count("> ") == 4
+
+
+def test_compile_flag_starts_and_serves(checkpoint, launch):
+    """`k3 serve --compile` warms up whichever decode step the engine runs (the native C step here,
+    which has nothing to compile) and then serves."""
+    s = launch(checkpoint, "--compile", "--max-model-len", "256")
+    try:
+        body = json.dumps({"model": MODEL, "prompt": "the quick", "max_tokens": 4, "ignore_eos": True})
+        status, out = raw_post(s.url + "/v1/completions", body.encode())
+        assert status == 200, out
+        assert out["usage"]["completion_tokens"] == 4
+    finally:
+        s.stop()

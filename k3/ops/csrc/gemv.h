@@ -18,13 +18,22 @@ static inline v16 ld16(const float *p) {
     return v;
 }
 
+typedef float v8 __attribute__((vector_size(32)));
+typedef float v4 __attribute__((vector_size(16)));
+
 static inline float hsum16(v16 v) {
-    /* pairwise, so that the order is fixed whatever the vector width the compiler picks */
-    float s[16];
-    memcpy(s, &v, sizeof s);
-    for (int w = 8; w >= 1; w /= 2)
-        for (int j = 0; j < w; j++) s[j] += s[j + w];
-    return s[0];
+    /* pairwise, so that the order is fixed whatever the vector width the compiler picks: lane j plus
+     * lane j + 8, then j + 4, j + 2, j + 1, in halves of vector registers (a sum through memory and
+     * scalar adds cost more than the 16-lane products it ends when the rows are short) */
+    v8 lo, hi;
+    memcpy(&lo, &v, sizeof lo);
+    memcpy(&hi, (const char *)&v + sizeof lo, sizeof hi);
+    const v8 a = lo + hi;
+    v4 l4, h4;
+    memcpy(&l4, &a, sizeof l4);
+    memcpy(&h4, (const char *)&a + sizeof l4, sizeof h4);
+    const v4 b = l4 + h4;
+    return (b[0] + b[2]) + (b[1] + b[3]);
 }
 
 static inline float dot(const float *restrict a, const float *restrict b, int64_t n) {
@@ -63,6 +72,33 @@ static void gemv_rows(const float *restrict W, int64_t I, const float *restrict 
         }
         for (; o < o1; o++) Y[o] = dot(W + o * I, X, I);
         return;
+    }
+    /* four weight rows x four inputs per pass: 16 accumulators, 8 loads per 16 FMAs (one row at a time
+     * would need 5 loads per 4); each output is still one 16-lane accumulation over i, hsum16, then the
+     * scalar tail, exactly as in the other paths, so a row's result does not depend on B */
+    for (; o + 4 <= o1 && B >= 4; o += 4) {
+        const float *w0 = W + o * I, *w1 = w0 + I, *w2 = w1 + I, *w3 = w2 + I;
+        int64_t b = 0;
+        for (; b + 4 <= B; b += 4) {
+            const float *x0 = X + b * ldx, *x1 = x0 + ldx, *x2 = x1 + ldx, *x3 = x2 + ldx;
+            v16 acc[4][4] = {{{0}}};
+            int64_t i = 0;
+            for (; i + 16 <= I; i += 16) {
+                const v16 wv[4] = {ld16(w0 + i), ld16(w1 + i), ld16(w2 + i), ld16(w3 + i)};
+                const v16 xv[4] = {ld16(x0 + i), ld16(x1 + i), ld16(x2 + i), ld16(x3 + i)};
+                for (int r = 0; r < 4; r++)
+                    for (int c = 0; c < 4; c++) acc[r][c] += wv[r] * xv[c];
+            }
+            const float *ws[4] = {w0, w1, w2, w3}, *xs[4] = {x0, x1, x2, x3};
+            for (int r = 0; r < 4; r++)
+                for (int c = 0; c < 4; c++) {
+                    float sum = hsum16(acc[r][c]);
+                    for (int64_t j = i; j < I; j++) sum += ws[r][j] * xs[c][j];
+                    Y[(b + c) * ldy + o + r] = sum;
+                }
+        }
+        for (; b < B; b++)
+            for (int r = 0; r < 4; r++) Y[b * ldy + o + r] = dot(W + (o + r) * I, X + b * ldx, I);
     }
     for (; o < o1; o++) {
         const float *w = W + o * I;
