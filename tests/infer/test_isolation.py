@@ -29,14 +29,19 @@ def test_one_failing_row_leaves_its_batch_alone(nano, prompt, monkeypatch, where
         monkeypatch.setattr(engine_module, "sample", sample)
     else:
 
-        class Tok:  # decodes every row but the doomed one, whose third token fails
+        class Tok:
             def decode(self, ids):
-                if len(ids) == 3 and ids == doomed_out[:3]:
-                    raise ValueError("ids outside the vocabulary")
                 return ""
 
-        doomed_out = alone[1]
         engine.tokenizer = Tok()
+        real = engine._detokenize
+
+        def detokenize(seq):  # every row but the doomed one, whose third token fails
+            if seq is seqs[1] and len(seq.output) == 3:
+                raise ValueError("ids outside the vocabulary")
+            return real(seq)
+
+        monkeypatch.setattr(engine, "_detokenize", detokenize)
     seqs = [engine.add_request(p, doomed if i == 1 else greedy) for i, p in enumerate(prompts)]
     while any(s.status is not Status.FINISHED for s in seqs):
         engine.step()
