@@ -182,23 +182,13 @@ class PackedLoader:
         return self
 
     def __next__(self) -> dict[str, torch.Tensor]:
-        B, T = self.batch_size, self.seq_len
+        B = self.batch_size
         rows = []
         for r in range(B * self.world_size):
             row = self._next_row()
             if r // B == self.rank:
                 rows.append(row)
-        inputs = np.stack([r[0] for r in rows])  # [B, T+1]
-        starts = np.stack([r[1] for r in rows])  # [B, T]
-        starts[:, 0] = True
-        flat = torch.from_numpy(starts.reshape(-1))
-        cu = torch.nonzero(flat).flatten()
-        return dict(
-            input_ids=torch.from_numpy(inputs[:, :-1]).long(),
-            labels=torch.from_numpy(inputs[:, 1:]).long(),
-            cu_seqlens=torch.cat([cu, cu.new_tensor([B * T])]).to(torch.int64),
-            doc_ids=(torch.cumsum(flat.long(), 0) - 1).view(B, T),
-        )
+        return rows_to_batch(rows)
 
     def _next_row(self) -> tuple[np.ndarray, np.ndarray]:
         """([T+1] tokens, [T] document-start flags) of the next row; advances the cursor by T tokens."""
@@ -241,3 +231,20 @@ class PackedLoader:
                 if index == self.docs.num_docs:
                     index, epoch = 0, epoch + 1
         return tokens, starts, (epoch, index, offset)
+
+
+def rows_to_batch(rows: list[tuple[np.ndarray, np.ndarray]]) -> dict[str, torch.Tensor]:
+    """A packed batch from B rows of ([T+1] tokens, [T] document-start flags): input_ids, labels [B, T]
+    long; segments restart at every row and document start (cu_seqlens [N+1], doc_ids [B, T])."""
+    inputs = np.stack([r[0] for r in rows])  # [B, T+1]
+    starts = np.stack([r[1] for r in rows])  # [B, T]
+    starts[:, 0] = True
+    B, T = starts.shape
+    flat = torch.from_numpy(starts.reshape(-1))
+    cu = torch.nonzero(flat).flatten()
+    return dict(
+        input_ids=torch.from_numpy(inputs[:, :-1]).long(),
+        labels=torch.from_numpy(inputs[:, 1:]).long(),
+        cu_seqlens=torch.cat([cu, cu.new_tensor([B * T])]).to(torch.int64),
+        doc_ids=(torch.cumsum(flat.long(), 0) - 1).view(B, T),
+    )

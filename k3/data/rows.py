@@ -22,7 +22,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from k3.data.packing import TokenizedDocs
+from k3.data.packing import TokenizedDocs, rows_to_batch
 
 
 class ShuffledRows:
@@ -117,20 +117,10 @@ class ShuffledRows:
         return self._stream[lo : lo + self.seq_len + 1], self._starts[lo : lo + self.seq_len].copy()
 
     def __next__(self) -> dict[str, torch.Tensor]:
-        B, T = self.batch_size, self.seq_len
+        B = self.batch_size
         rows = []
         for r in range(B * self.world_size):
             row = self._next_row()
             if r // B == self.rank:
                 rows.append(row)
-        inputs = np.stack([r[0] for r in rows])  # [B, T+1]
-        starts = np.stack([r[1] for r in rows])  # [B, T]
-        starts[:, 0] = True
-        flat = torch.from_numpy(starts.reshape(-1))
-        cu = torch.nonzero(flat).flatten()
-        return dict(
-            input_ids=torch.from_numpy(inputs[:, :-1]).long(),
-            labels=torch.from_numpy(inputs[:, 1:]).long(),
-            cu_seqlens=torch.cat([cu, cu.new_tensor([B * T])]).to(torch.int64),
-            doc_ids=(torch.cumsum(flat.long(), 0) - 1).view(B, T),
-        )
+        return rows_to_batch(rows)

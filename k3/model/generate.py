@@ -10,7 +10,7 @@ import torch
 from k3.model.state import ModelState
 
 
-def _pick(
+def pick_next(
     logits: torch.Tensor, temperature: float, top_k: int | None, generator: torch.Generator | None
 ) -> torch.Tensor:
     """logits [B, V] -> next ids [B]."""
@@ -45,7 +45,7 @@ def generate(
     done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
     for _ in range(max_new_tokens):
         logits = model(step_input if use_cache else ids, state=state).logits[:, -1]
-        nxt = _pick(logits, temperature, top_k, generator)
+        nxt = pick_next(logits, temperature, top_k, generator)
         if eos_token_id is not None:
             nxt = torch.where(done, torch.full_like(nxt, eos_token_id), nxt)
             done |= nxt == eos_token_id

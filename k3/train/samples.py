@@ -25,7 +25,7 @@ import warnings
 import torch
 from torch import nn
 
-from k3.model.generate import generate
+from k3.model.generate import generate, pick_next
 
 PROMPTS = ("def ", "class ", "import ")
 PARSE_PROMPTS = ("def ", "class ", "import ", "from ", "@", "if ")
@@ -54,17 +54,6 @@ def _starting_with(tokenizer, vocab_size: int, tail: str) -> torch.Tensor:
     return ok
 
 
-def _pick(logits: torch.Tensor, temperature: float, top_k: int | None, gen: torch.Generator) -> torch.Tensor:
-    """logits [B, V] -> ids [B]: argmax at temperature 0, else top-k sampling."""
-    if temperature <= 0:
-        return logits.argmax(-1)
-    logits = logits.float() / temperature
-    if top_k is not None:
-        kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    return torch.multinomial(torch.softmax(logits, -1), 1, generator=gen)[:, 0]
-
-
 @torch.no_grad()
 def sample_texts(
     model: nn.Module,
@@ -90,7 +79,7 @@ def sample_texts(
             if tail and max_tokens > 0:  # the first token, among those that start with the cut whitespace
                 logits = model(ids).logits[:, -1].float()
                 allowed = _starting_with(tokenizer, logits.shape[-1], tail)
-                first = _pick(logits.masked_fill(~allowed, float("-inf")), temperature, top_k, gen)
+                first = pick_next(logits.masked_fill(~allowed, float("-inf")), temperature, top_k, gen)
                 ids = torch.cat([ids, first[:, None]], 1)
             res = generate(
                 model,
