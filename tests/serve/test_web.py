@@ -32,7 +32,7 @@ def browser():
 
 
 def test_page_streams_stops_and_shows_thinking(browser, checkpoint, launch, idle, tmp_path):
-    s = launch(checkpoint, "--api-key", API_KEY, "--max-model-len", "1024", "--page-size", "16",
+    s = launch(checkpoint, "--api-key", API_KEY, "--max-model-len", "8192", "--page-size", "16",
                "--max-num-seqs", "4")  # fmt: skip
     try:
         page = browser.new_page(viewport={"width": 1100, "height": 760})
@@ -43,8 +43,10 @@ def test_page_streams_stops_and_shows_thinking(browser, checkpoint, launch, idle
         page.wait_for_selector("#key-form:not([hidden])", timeout=10_000)  # the server has a key
         page.fill("#key", API_KEY)
         page.click("#key-form button")
+        # predicates are arrow functions: a bare expression is polled with eval, which the page's CSP
+        # (rightly) refuses
         page.wait_for_function(
-            "document.querySelector('#model').textContent.includes('kimi-k3')", timeout=10_000
+            "() => document.querySelector('#model').textContent.includes('kimi-k3')", timeout=10_000
         )
         page.click("#settings-button")
         page.fill("#max-tokens", "48")
@@ -68,16 +70,22 @@ def test_page_streams_stops_and_shows_thinking(browser, checkpoint, launch, idle
         assert first.locator("details.thinking").count() == 1  # thinking: a collapsible block
         assert "length" in first.locator(".meta").text_content()
 
-        # a long generation, stopped from the page: the server cancels it
-        page.fill("#max-tokens", "900")
+        # a long generation, stopped from the page: the server cancels it. The page presses Stop itself,
+        # from the DOM change that shows the 21st character of thinking, so the click cannot land after
+        # the reply has ended (a fast server streams hundreds of tokens in a tenth of a second)
+        page.fill("#max-tokens", "6000")
         page.fill("#input", "and the lazy dog")
-        page.press("#input", "Enter")
-        page.wait_for_function(
-            "() => { const m = [...document.querySelectorAll('.msg.assistant')].pop();"
-            " return m.querySelector('.thought').textContent.length > 20 }",
-            timeout=20_000,
+        page.evaluate(
+            "() => { const obs = new MutationObserver(() => {"
+            " const m = [...document.querySelectorAll('.msg.assistant')].pop();"
+            " if (!m || m.dataset.state || m.querySelector('.thought').textContent.length <= 20) return;"
+            " obs.disconnect(); window.__stopEnabled = !document.querySelector('#stop').disabled;"
+            " document.querySelector('#stop').click() });"
+            " obs.observe(document.body, {subtree: true, childList: true, characterData: true}) }"
         )
-        page.click("#stop")
+        page.press("#input", "Enter")
+        page.wait_for_function("() => window.__stopEnabled !== undefined", timeout=20_000)
+        assert page.evaluate("() => window.__stopEnabled")  # Stop was live while the reply streamed
         page.wait_for_selector(".msg.assistant[data-state=stopped]", timeout=10_000)
         assert page.locator("#send").is_enabled()
         m = idle(s.url, timeout=2.0)
