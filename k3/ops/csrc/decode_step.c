@@ -15,8 +15,11 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "exp_poly.h"
 #include "gemv.h"
 #include "situ.h"
+
+#define MLA_GROUP 8 /* MLA heads of one row that share each pass over its latents */
 
 typedef struct {
     int64_t D, V, L;
@@ -49,20 +52,27 @@ typedef struct {
     const uint8_t *mxq, *mxs; /* an MXFP4 W instead of w (x then split by mx_split_input) */
 } Job;
 
-/* this thread's share of the rows of several products (each Job: Y = W X^T for its own X) */
+/* this thread's share of the rows of several products (each Job: Y = W X^T for its own X), split by
+ * weights read (rows x cols) rather than rows, so that products of different widths in one phase keep
+ * the threads equally busy: row r of a job goes to the thread whose share holds the row's first weight */
 static void run_jobs(const Job *jobs, int n, int t, int nt) {
     int64_t total = 0;
-    for (int j = 0; j < n; j++) total += jobs[j].rows;
+    for (int j = 0; j < n; j++) total += jobs[j].rows * jobs[j].cols;
     const int64_t lo = total * t / nt, hi = total * (t + 1) / nt;
     int64_t base = 0;
     for (int j = 0; j < n; j++) {
         const Job *q = &jobs[j];
-        const int64_t r0 = lo > base ? lo : base, r1 = hi < base + q->rows ? hi : base + q->rows;
-        if (r0 < r1 && q->mxq)
-            gemv_rows_mx(q->mxq, q->mxs, q->cols, q->x, q->B, q->y, q->ldy, r0 - base, r1 - base);
-        else if (r0 < r1)
-            gemv_rows(q->w, q->cols, q->x, q->ldx, q->B, q->y, q->ldy, r0 - base, r1 - base);
-        base += q->rows;
+        const int64_t size = q->rows * q->cols;
+        if (base < hi && lo < base + size) {
+            int64_t r0 = lo > base ? (lo - base + q->cols - 1) / q->cols : 0;
+            int64_t r1 = hi < base + size ? (hi - base + q->cols - 1) / q->cols : q->rows;
+            r1 = r1 < q->rows ? r1 : q->rows;
+            if (r0 < r1 && q->mxq)
+                gemv_rows_mx(q->mxq, q->mxs, q->cols, q->x, q->B, q->y, q->ldy, r0, r1);
+            else if (r0 < r1)
+                gemv_rows(q->w, q->cols, q->x, q->ldx, q->B, q->y, q->ldy, r0, r1);
+        }
+        base += size;
     }
 }
 
@@ -123,6 +133,12 @@ typedef struct {
 
 static int64_t imax(int64_t a, int64_t b) { return a > b ? a : b; }
 
+/* thread t's contiguous share [*lo, *hi) of n elementwise items (interleaved shares would have the
+ * threads write the same cache lines) */
+static inline void share(int64_t n, int t, int nt, int64_t *lo, int64_t *hi) {
+    *lo = n * t / nt, *hi = n * (t + 1) / nt;
+}
+
 static int64_t big_width(const Dims *d) {
     const int64_t C = d->H * d->K;
     int64_t w = imax(3 * C, d->Id);
@@ -136,7 +152,7 @@ static int64_t big_width(const Dims *d) {
 int64_t k3_decode_scratch_floats(const Dims *d, int64_t B, int64_t S, int64_t nt) {
     const int64_t nbuf = d->L / d->block + 3;
     const int64_t slots = B * d->topk, job_floats = 3 * slots * (int64_t)(sizeof(Job) / sizeof(float));
-    return nbuf * B * d->D + 4 * B * d->D + 6 * B * big_width(d) + nt * S + 6 * slots + job_floats + 64;
+    return nbuf * B * d->D + 4 * B * d->D + 6 * B * big_width(d) + nt * S * MLA_GROUP + 6 * slots + job_floats + 64;
 }
 
 static Scratch carve(const Dims *d, int64_t B, float *p) {
@@ -170,8 +186,9 @@ static void conv_silu(float *hist, const float *w, const float *u, float *out, i
         for (int64_t j = 0; j < W - 1; j++) acc += wc[j] * h[j];
         for (int64_t j = 0; j + 1 < W - 1; j++) h[j] = h[j + 1];
         h[W - 2] = u[c];
-        out[c - c0] = acc * sigmoidf(acc);
+        out[c - c0] = acc;
     }
+    for (int64_t i = 0; i < n; i++) out[i] *= sigmoid_poly(out[i]); /* SiLU in its own loop: vectorised */
 }
 
 static void l2_normalize(float *x, int64_t n, float eps, float scale) {
@@ -191,11 +208,14 @@ static void kda_head(const Dims *d, const Layer *l, const float *u, const float 
     conv_silu(l->pool_conv_k + slot * hist, l->conv_k, u + C, k, c0, K, W);
     conv_silu(l->pool_conv_v + slot * hist, l->conv_v, u + 2 * C, v, c0, K, W);
     const float a = l->a_exp[h];
-    for (int64_t i = 0; i < K; i++) {
-        const float x = z[c0 + i] + l->dt_bias[c0 + i];
-        g[i] = d->safe_gate ? d->lower_bound * sigmoidf(a * x) : -a * (x > 20.0f ? x : log1pf(expf(x)));
-        g[i] = expf(g[i]);
-    }
+    if (d->safe_gate) /* vectorised: exp_poly.h's exp and sigmoid */
+        for (int64_t i = 0; i < K; i++)
+            g[i] = exp_poly(d->lower_bound * sigmoid_poly(a * (z[c0 + i] + l->dt_bias[c0 + i])));
+    else
+        for (int64_t i = 0; i < K; i++) {
+            const float x = z[c0 + i] + l->dt_bias[c0 + i];
+            g[i] = exp_poly(-a * (x > 20.0f ? x : log1pf(expf(x))));
+        }
     const float beta = sigmoidf(beta_raw[h]);
     l2_normalize(q, K, d->l2_eps, d->kda_scale);
     l2_normalize(k, K, d->l2_eps, 1.0f);
@@ -250,30 +270,48 @@ static float *latent_row(const Dims *d, const Layer *l, const int64_t *table, in
     return l->pool_lat + (page * d->page_size + pos % d->page_size) * (d->R + d->Dr);
 }
 
-/* one (row, head) of the absorbed attention over the row's S = len + 1 latents */
-static void mla_head(const Dims *d, const Layer *l, const float *q, const float *gate, float *o,
-                     const int64_t *table, int64_t S, int64_t h, float *scores) {
-    const int64_t R = d->R, Dr = d->Dr, Dn = d->Dn, Dv = d->Dv, Dh = Dn + Dr, RD = R + Dr;
-    const float *qn = q + h * Dh, *qp = qn + Dn;
-    const float *wk = l->wkvb + h * (Dn + Dv) * R, *wv = wk + Dn * R; /* kv_b rows of head h */
-    float ql[1024 + 256], ol[1024];
-    for (int64_t r = 0; r < R; r++) ql[r] = 0.0f;
-    for (int64_t i = 0; i < Dn; i++)
-        for (int64_t r = 0; r < R; r++) ql[r] += qn[i] * wk[i * R + r];
-    for (int64_t i = 0; i < Dr; i++) ql[R + i] = qp[i];
-    float m = -INFINITY;
-    for (int64_t s = 0; s < S; s++) {
-        scores[s] = dot(ql, latent_row(d, l, table, s), RD) * d->mla_scale;
-        m = scores[s] > m ? scores[s] : m;
+/* heads [h0, h1) (at most MLA_GROUP) of one row's absorbed attention over its S = len + 1 latents, in
+ * one pass over the latents for the scores and one for the values (each latent row is read once for all
+ * the group's heads, not once per head). Each head's sums run exactly as they would on its own, so the
+ * grouping does not change a bit. scores: [MLA_GROUP, S] */
+static void mla_heads(const Dims *d, const Layer *l, const float *q, const float *gate, float *o,
+                      const int64_t *table, int64_t S, int64_t h0, int64_t h1, float *scores) {
+    const int64_t R = d->R, Dr = d->Dr, Dn = d->Dn, Dv = d->Dv, Dh = Dn + Dr, RD = R + Dr, G = h1 - h0;
+    float ql[MLA_GROUP][1024 + 256], ol[MLA_GROUP][1024], m[MLA_GROUP], z[MLA_GROUP];
+    for (int64_t g = 0; g < G; g++) {
+        const float *qn = q + (h0 + g) * Dh, *qp = qn + Dn, *wk = l->wkvb + (h0 + g) * (Dn + Dv) * R;
+        for (int64_t r = 0; r < R; r++) ql[g][r] = 0.0f;
+        for (int64_t i = 0; i < Dn; i++)
+            for (int64_t r = 0; r < R; r++) ql[g][r] += qn[i] * wk[i * R + r];
+        for (int64_t i = 0; i < Dr; i++) ql[g][R + i] = qp[i];
+        m[g] = -INFINITY, z[g] = 0.0f;
     }
-    float z = 0.0f;
-    for (int64_t s = 0; s < S; s++) scores[s] = expf(scores[s] - m), z += scores[s];
-    for (int64_t r = 0; r < R; r++) ol[r] = 0.0f;
     for (int64_t s = 0; s < S; s++) {
-        const float p = scores[s] / z, *lat = latent_row(d, l, table, s);
-        for (int64_t r = 0; r < R; r++) ol[r] += p * lat[r];
+        const float *lat = latent_row(d, l, table, s);
+        for (int64_t g = 0; g < G; g++) {
+            const float x = dot(ql[g], lat, RD) * d->mla_scale;
+            scores[g * S + s] = x;
+            m[g] = x > m[g] ? x : m[g];
+        }
     }
-    for (int64_t j = 0; j < Dv; j++) o[h * Dv + j] = dot(wv + j * R, ol, R) * sigmoidf(gate[h * Dv + j]);
+    for (int64_t g = 0; g < G; g++) {
+        float *sc = scores + g * S;
+        for (int64_t s = 0; s < S; s++) sc[s] = exp_nonpositive(sc[s] - m[g]); /* vectorised */
+        for (int64_t s = 0; s < S; s++) z[g] += sc[s];
+        for (int64_t r = 0; r < R; r++) ol[g][r] = 0.0f;
+    }
+    for (int64_t s = 0; s < S; s++) {
+        const float *lat = latent_row(d, l, table, s);
+        for (int64_t g = 0; g < G; g++) {
+            const float p = scores[g * S + s] / z[g];
+            for (int64_t r = 0; r < R; r++) ol[g][r] += p * lat[r];
+        }
+    }
+    for (int64_t g = 0; g < G; g++) {
+        const int64_t h = h0 + g;
+        const float *wv = l->wkvb + h * (Dn + Dv) * R + Dn * R; /* kv_b's value rows of head h */
+        for (int64_t j = 0; j < Dv; j++) o[h * Dv + j] = dot(wv + j * R, ol[g], R) * sigmoid_poly(gate[h * Dv + j]);
+    }
 }
 
 static void mla(const Dims *d, const Layer *l, Scratch *s, int64_t B, const int64_t *tables,
@@ -300,11 +338,14 @@ static void mla(const Dims *d, const Layer *l, Scratch *s, int64_t B, const int6
         run_jobs(&jq, 1, t, nt);
 #pragma omp barrier
     }
-    float *scores = s->scores + t * S_max;
-    for (int64_t p = t; p < B * HM; p += nt) {
-        const int64_t b = p / HM, h = p % HM;
-        mla_head(d, l, q + b * big, gate + b * big, o + b * big, tables + b * d->pages, lengths[b] + 1, h,
-                 scores);
+    /* work items: a row's heads in groups of up to MLA_GROUP when there are rows enough for the team,
+     * else single heads (a few rows still keep every thread busy) */
+    float *scores = s->scores + t * S_max * MLA_GROUP;
+    const int64_t G = B >= 4 * nt ? (HM < MLA_GROUP ? HM : MLA_GROUP) : 1, per_row = (HM + G - 1) / G;
+    for (int64_t p = t; p < B * per_row; p += nt) {
+        const int64_t b = p / per_row, h0 = (p % per_row) * G, h1 = h0 + G < HM ? h0 + G : HM;
+        mla_heads(d, l, q + b * big, gate + b * big, o + b * big, tables + b * d->pages, lengths[b] + 1, h0, h1,
+                  scores);
     }
 #pragma omp barrier
     Job jo = job(l->mo, D, HM * d->Dv, o, big, B, s->y, D);
@@ -435,8 +476,11 @@ static void moe(const Dims *d, const Layer *l, Scratch *s, int64_t B, int t, int
     Job out[2] = {job(l->lat_up, D, Dl, ul, big, B, s->y, D), job(l->w_down, D, Is, sg, big, B, s->y2, D)};
     run_jobs(out, Is ? 2 : 1, t, nt);
 #pragma omp barrier
-    if (Is)
-        for (int64_t i = t; i < B * D; i += nt) s->y[i] += s->y2[i];
+    if (Is) {
+        int64_t lo, hi;
+        share(B * D, t, nt, &lo, &hi);
+        for (int64_t i = lo; i < hi; i++) s->y[i] += s->y2[i];
+    }
 }
 
 /* ---- the step ---------------------------------------------------------------------------------------- */
@@ -475,7 +519,9 @@ void k3_decode_step(const Dims *d, const Layer *layers, const Ends *ends, int64_
                 kda(d, l, &s, B, slots, t, nt);
 #pragma omp barrier
             float *P = s.buf + (n_blocks + closes) * BD; /* a closed block starts an empty partial sum */
-            for (int64_t i = t; i < BD; i += nt) P[i] = closes ? s.y[i] : P[i] + s.y[i];
+            int64_t lo, hi;
+            share(BD, t, nt, &lo, &hi);
+            for (int64_t i = lo; i < hi; i++) P[i] = closes ? s.y[i] : P[i] + s.y[i];
 #pragma omp barrier
             for (int64_t b = t; b < B; b += nt) {
                 for (int64_t i = 0; i <= n_blocks + closes; i++) src[i] = s.buf + i * BD + b * D;
@@ -488,7 +534,7 @@ void k3_decode_step(const Dims *d, const Layer *layers, const Ends *ends, int64_
             else
                 dense(d, l, &s, B, t, nt);
 #pragma omp barrier
-            for (int64_t i = t; i < BD; i += nt) P[i] += s.y[i];
+            for (int64_t i = lo; i < hi; i++) P[i] += s.y[i];
             if (t == 0) nb = n_blocks + closes;
 #pragma omp barrier
         }
