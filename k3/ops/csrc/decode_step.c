@@ -16,6 +16,7 @@
 #include <string.h>
 
 #include "exp_poly.h"
+#include "ftz.h"
 #include "gemv.h"
 #include "situ.h"
 
@@ -286,12 +287,16 @@ static void mla_heads(const Dims *d, const Layer *l, const float *q, const float
         for (int64_t i = 0; i < Dr; i++) ql[g][R + i] = qp[i];
         m[g] = -INFINITY, z[g] = 0.0f;
     }
-    for (int64_t s = 0; s < S; s++) {
-        const float *lat = latent_row(d, l, table, s);
-        for (int64_t g = 0; g < G; g++) {
-            const float x = dot(ql[g], lat, RD) * d->mla_scale;
-            scores[g * S + s] = x;
-            m[g] = x > m[g] ? x : m[g];
+    const int64_t P = d->page_size;
+    for (int64_t s0 = 0; s0 < S; s0 += P) { /* page by page: one table lookup per page */
+        const float *page = l->pool_lat + table[s0 / P] * P * RD;
+        for (int64_t s = s0; s < S && s < s0 + P; s++) {
+            const float *lat = page + (s - s0) * RD;
+            for (int64_t g = 0; g < G; g++) {
+                const float x = dot(ql[g], lat, RD) * d->mla_scale;
+                scores[g * S + s] = x;
+                m[g] = x > m[g] ? x : m[g];
+            }
         }
     }
     for (int64_t g = 0; g < G; g++) {
@@ -300,11 +305,14 @@ static void mla_heads(const Dims *d, const Layer *l, const float *q, const float
         for (int64_t s = 0; s < S; s++) z[g] += sc[s];
         for (int64_t r = 0; r < R; r++) ol[g][r] = 0.0f;
     }
-    for (int64_t s = 0; s < S; s++) {
-        const float *lat = latent_row(d, l, table, s);
-        for (int64_t g = 0; g < G; g++) {
-            const float p = scores[g * S + s] / z[g];
-            for (int64_t r = 0; r < R; r++) ol[g][r] += p * lat[r];
+    for (int64_t s0 = 0; s0 < S; s0 += P) {
+        const float *page = l->pool_lat + table[s0 / P] * P * RD;
+        for (int64_t s = s0; s < S && s < s0 + P; s++) {
+            const float *lat = page + (s - s0) * RD;
+            for (int64_t g = 0; g < G; g++) {
+                const float p = scores[g * S + s] / z[g];
+                for (int64_t r = 0; r < R; r++) ol[g][r] += p * lat[r];
+            }
         }
     }
     for (int64_t g = 0; g < G; g++) {
@@ -502,6 +510,7 @@ void k3_decode_step(const Dims *d, const Layer *layers, const Ends *ends, int64_
 #pragma omp parallel num_threads(threads)
     {
         const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        const unsigned mode = ftz_begin(); /* the whole step: denormals are zero (ftz.h) */
         const float *src[64];
         for (int64_t li = 0; li < d->L; li++) {
             const Layer *l = layers + li;
@@ -546,5 +555,6 @@ void k3_decode_step(const Dims *d, const Layer *layers, const Ends *ends, int64_
 #pragma omp barrier
         Job jh = job(ends->lm_head, d->V, D, s.xn, D, B, logits, d->V);
         run_jobs(&jh, 1, t, nt);
+        ftz_end(mode);
     }
 }

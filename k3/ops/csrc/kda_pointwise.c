@@ -5,12 +5,13 @@
  *                     (oldest first; NULL = zeros) followed by u [B, T, C]; w transposed to [W, C].
  * k3_kda_safe_gate:   g = lb * sigmoid(exp(A_log[h]) * (z + dt_bias[h, c])) over rows of [H, K].
  * All fp32; the channel loops vectorise (exp_poly.h's exp), SiLU and sigmoid as 1 / (1 + exp(-x)).
- * Rows are split over torch's threads (OpenMP) when there are many.
+ * Rows are split over torch's threads (OpenMP) when there are many; denormals are zero meanwhile (ftz.h).
  */
 #include <math.h>
 #include <stdint.h>
 
 #include "exp_poly.h"
+#include "ftz.h"
 
 /* rows (tokens) from which a call splits them over torch's threads (an OpenMP team of its size; the rows
  * are independent, so the result does not depend on it); fewer: one thread, no team to wake */
@@ -18,7 +19,10 @@
 
 void k3_conv_silu(const float *u, const float *hist, const float *w, float *y, int64_t B, int64_t T, int64_t C,
                   int64_t W) {
-#pragma omp parallel for collapse(2) schedule(static) if (B * T >= MIN_PARALLEL_ROWS)
+#pragma omp parallel if (B * T >= MIN_PARALLEL_ROWS)
+    {
+    const unsigned mode = ftz_begin();
+#pragma omp for collapse(2) schedule(static)
     for (int64_t b = 0; b < B; b++) {
         for (int64_t t = 0; t < T; t++) {
             const float *ub = u + b * T * C, *hb = hist ? hist + b * C * (W - 1) : NULL;
@@ -44,11 +48,16 @@ void k3_conv_silu(const float *u, const float *hist, const float *w, float *y, i
             for (int64_t c = 0; c < C; c++) out[c] = out[c] * sigmoid_poly(out[c]);
         }
     }
+    ftz_end(mode);
+    }
 }
 
 void k3_kda_safe_gate(const float *z, const float *A_log, const float *dt_bias, float lower_bound, float *g,
                       int64_t N, int64_t H, int64_t K) {
-#pragma omp parallel for collapse(2) schedule(static) if (N >= MIN_PARALLEL_ROWS)
+#pragma omp parallel if (N >= MIN_PARALLEL_ROWS)
+    {
+    const unsigned mode = ftz_begin();
+#pragma omp for collapse(2) schedule(static)
     for (int64_t n = 0; n < N; n++)
         for (int64_t h = 0; h < H; h++) {
             const float a = expf(A_log[h]);
@@ -56,4 +65,6 @@ void k3_kda_safe_gate(const float *z, const float *A_log, const float *dt_bias, 
             float *restrict gr = g + (n * H + h) * K;
             for (int64_t c = 0; c < K; c++) gr[c] = lower_bound * sigmoid_poly(a * (zr[c] + bias[c]));
         }
+    ftz_end(mode);
+    }
 }
