@@ -292,10 +292,24 @@ static void mla_heads(const Dims *d, const Layer *l, const float *q, const float
         const float *page = l->pool_lat + table[s0 / P] * P * RD;
         for (int64_t s = s0; s < S && s < s0 + P; s++) {
             const float *lat = page + (s - s0) * RD;
-            for (int64_t g = 0; g < G; g++) {
-                const float x = dot(ql[g], lat, RD) * d->mla_scale;
-                scores[g * S + s] = x;
-                m[g] = x > m[g] ? x : m[g];
+            /* `dot` for four heads at once: four independent accumulations share each latent load */
+            for (int64_t g0 = 0; g0 < G; g0 += 4) {
+                const int64_t n = G - g0 < 4 ? G - g0 : 4;
+                const float *qs[4]; /* a block of fewer than four heads repeats its first (discarded) */
+                for (int g = 0; g < 4; g++) qs[g] = ql[g0 + (g < n ? g : 0)];
+                v16 acc[4] = {{0}, {0}, {0}, {0}}; /* constant trip counts: the accumulators stay in registers */
+                int64_t i = 0;
+                for (; i + 16 <= RD; i += 16) {
+                    const v16 lv = ld16(lat + i);
+                    for (int g = 0; g < 4; g++) acc[g] += ld16(qs[g] + i) * lv;
+                }
+                for (int64_t g = 0; g < n; g++) {
+                    float x = hsum16(acc[g]);
+                    for (int64_t j = i; j < RD; j++) x += ql[g0 + g][j] * lat[j];
+                    x *= d->mla_scale;
+                    scores[(g0 + g) * S + s] = x;
+                    m[g0 + g] = x > m[g0 + g] ? x : m[g0 + g];
+                }
             }
         }
     }
@@ -303,18 +317,33 @@ static void mla_heads(const Dims *d, const Layer *l, const float *q, const float
         float *sc = scores + g * S;
         for (int64_t s = 0; s < S; s++) sc[s] = exp_nonpositive(sc[s] - m[g]); /* vectorised */
         for (int64_t s = 0; s < S; s++) z[g] += sc[s];
+        for (int64_t s = 0; s < S; s++) sc[s] /= z[g]; /* the softmax weights */
         for (int64_t r = 0; r < R; r++) ol[g][r] = 0.0f;
     }
-    for (int64_t s0 = 0; s0 < S; s0 += P) {
-        const float *page = l->pool_lat + table[s0 / P] * P * RD;
-        for (int64_t s = s0; s < S && s < s0 + P; s++) {
-            const float *lat = page + (s - s0) * RD;
-            for (int64_t g = 0; g < G; g++) {
-                const float p = scores[g * S + s] / z[g];
-                for (int64_t r = 0; r < R; r++) ol[g][r] += p * lat[r];
+    /* ol[g] = sum_s p[g][s] lat[s][:R], s in order: by 64 columns x 4 heads held in registers across all
+     * the latents (the same sums, in the same order, as one head and one column at a time) */
+    for (int64_t r0 = 0; r0 + 64 <= R; r0 += 64)
+        for (int64_t g0 = 0; g0 < G; g0 += 4) {
+            const int64_t n = G - g0 < 4 ? G - g0 : 4;
+            const float *ps[4];
+            for (int g = 0; g < 4; g++) ps[g] = scores + (g0 + (g < n ? g : 0)) * S;
+            v16 acc[4][4] = {{{0}}};
+            for (int64_t s0 = 0; s0 < S; s0 += P) {
+                const float *page = l->pool_lat + table[s0 / P] * P * RD + r0;
+                for (int64_t s = s0; s < S && s < s0 + P; s++) {
+                    const float *lat = page + (s - s0) * RD;
+                    const v16 lv[4] = {ld16(lat), ld16(lat + 16), ld16(lat + 32), ld16(lat + 48)};
+                    for (int g = 0; g < 4; g++)
+                        for (int v = 0; v < 4; v++) acc[g][v] += ps[g][s] * lv[v];
+                }
             }
+            for (int64_t g = 0; g < n; g++)
+                for (int v = 0; v < 4; v++) memcpy(ol[g0 + g] + r0 + 16 * v, &acc[g][v], sizeof(v16));
         }
-    }
+    for (int64_t r = R / 64 * 64; r < R; r++) /* columns past the last 64 */
+        for (int64_t s = 0; s < S; s++)
+            for (int64_t g = 0; g < G; g++)
+                ol[g][r] += scores[g * S + s] * l->pool_lat[(table[s / P] * P + s % P) * RD + r];
     for (int64_t g = 0; g < G; g++) {
         const int64_t h = h0 + g;
         const float *wv = l->wkvb + h * (Dn + Dv) * R + Dn * R; /* kv_b's value rows of head h */
