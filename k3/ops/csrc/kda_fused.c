@@ -25,10 +25,8 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
-#if defined(__x86_64__) || defined(__i386__)
-#include <xmmintrin.h>
-#endif
 
+#include "ftz.h"
 #include "kda_factors.h"
 #include "lanes.h"
 #include "small_gemm.h"
@@ -156,10 +154,7 @@ void k3_kda_fused_forward(const float *q, strides_bth sq, const float *k, stride
                           int64_t H, int64_t C, int64_t K, int64_t V, float scale, float eps, const int64_t *seg,
                           int64_t task0, int64_t task1, const float *h0, float *o, strides_bth so,
                           float *finals, float *work) {
-#if defined(__x86_64__) || defined(__i386__)
-    const unsigned int csr = _mm_getcsr();
-    _mm_setcsr(csr | 0x8040); /* flush denormal results to zero (FTZ) and read denormals as zero (DAZ) */
-#endif
+    const unsigned mode = ftz_begin(); /* denormals as zero (ftz.h) */
     scratch s;
     scratch_carve(&s, work, C, K, V);
     for (int64_t task = task0; task < task1; task++) {
@@ -180,7 +175,5 @@ void k3_kda_fused_forward(const float *q, strides_bth sq, const float *k, stride
 #undef AT
         }
     }
-#if defined(__x86_64__) || defined(__i386__)
-    _mm_setcsr(csr);
-#endif
+    ftz_end(mode);
 }
