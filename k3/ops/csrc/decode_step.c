@@ -375,10 +375,15 @@ static void mla(const Dims *d, const Layer *l, Scratch *s, int64_t B, const int6
         run_jobs(&jq, 1, t, nt);
 #pragma omp barrier
     }
-    /* work items: a row's heads in groups of up to MLA_GROUP when there are rows enough for the team,
-     * else single heads (a few rows still keep every thread busy) */
+    /* work items: a row's heads in groups of G (up to MLA_GROUP), each group one pass over the row's
+     * latents; a row splits into the fewest groups that give every thread the same number of items, or
+     * at least four each (one row on two threads: two groups of HM / 2 heads) */
     float *scores = s->scores + t * S_max * MLA_GROUP;
-    const int64_t G = B >= 4 * nt ? (HM < MLA_GROUP ? HM : MLA_GROUP) : 1, per_row = (HM + G - 1) / G;
+    int64_t per_row = 1;
+    while (per_row < HM && (B * per_row) % nt != 0 && B * per_row < 4 * nt) per_row++;
+    int64_t G = (HM + per_row - 1) / per_row;
+    G = G < MLA_GROUP ? G : MLA_GROUP;
+    per_row = (HM + G - 1) / G;
     for (int64_t p = t; p < B * per_row; p += nt) {
         const int64_t b = p / per_row, h0 = (p % per_row) * G, h1 = h0 + G < HM ? h0 + G : HM;
         mla_heads(d, l, q + b * big, gate + b * big, o + b * big, tables + b * d->pages, lengths[b] + 1, h0, h1,
