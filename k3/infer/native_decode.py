@@ -25,6 +25,7 @@ import ctypes
 
 import torch
 
+from k3.infer import huge_pages
 from k3.ops import native
 
 I64, F32, PTR = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
@@ -113,7 +114,10 @@ class NativeDecode:
         if unsupported(runner) is not None:
             return None
         fn = native.function("decode_step", "k3_decode_step", _STEP_ARGS)
-        return None if fn is None else cls(runner, fn)
+        if fn is None:
+            return None
+        huge_pages.rehome(runner.model)  # the weights it streams, in 2 MB pages (k3.infer.huge_pages)
+        return cls(runner, fn)
 
     # ---- the call ----------------------------------------------------------------------------------
     def __call__(self, ids: list[int], slots: list[int], tables: list[list[int]], lengths: list[int]):
