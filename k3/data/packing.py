@@ -136,13 +136,7 @@ class PackedLoader:
         rank: int = 0,
         world_size: int = 1,
     ):
-        for key, v in (("seq_len", seq_len), ("batch_size", batch_size), ("world_size", world_size)):
-            if v < 1:
-                raise ValueError(f"{key} must be >= 1, got {v}")
-        if not 0 <= rank < world_size:
-            raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")
-        if docs.num_docs == 0:
-            raise ValueError("docs holds no documents")
+        check_loader_args(docs, seq_len, batch_size, rank, world_size)
         self.docs, self.seq_len, self.batch_size, self.eos_id = docs, seq_len, batch_size, eos_id
         self.seed, self.shuffle, self.rank, self.world_size = seed, shuffle, rank, world_size
         self._cursor = (0, 0, 0)  # (epoch, index into the epoch's document order, offset in that document)
@@ -231,6 +225,17 @@ class PackedLoader:
                 if index == self.docs.num_docs:
                     index, epoch = 0, epoch + 1
         return tokens, starts, (epoch, index, offset)
+
+
+def check_loader_args(docs: TokenizedDocs, seq_len: int, batch_size: int, rank: int, world_size: int) -> None:
+    """The arguments every row loader (PackedLoader, k3.data.rows.ShuffledRows) refuses, by name."""
+    for key, v in (("seq_len", seq_len), ("batch_size", batch_size), ("world_size", world_size)):
+        if v < 1:
+            raise ValueError(f"{key} must be >= 1, got {v}")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")
+    if docs.num_docs == 0:
+        raise ValueError("docs holds no documents")
 
 
 def rows_to_batch(rows: list[tuple[np.ndarray, np.ndarray]]) -> dict[str, torch.Tensor]:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from k3.data.packing import TokenizedDocs, rows_to_batch
+from k3.data.packing import TokenizedDocs, check_loader_args, rows_to_batch
 
 
 class ShuffledRows:
@@ -42,13 +42,7 @@ class ShuffledRows:
         rank: int = 0,
         world_size: int = 1,
     ):
-        for key, v in (("seq_len", seq_len), ("batch_size", batch_size), ("world_size", world_size)):
-            if v < 1:
-                raise ValueError(f"{key} must be >= 1, got {v}")
-        if not 0 <= rank < world_size:
-            raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")
-        if docs.num_docs == 0:
-            raise ValueError("docs holds no documents")
+        check_loader_args(docs, seq_len, batch_size, rank, world_size)
         if docs.num_tokens + docs.num_docs - 1 < seq_len:
             raise ValueError(f"seq_len={seq_len}: the data holds fewer tokens than one row")
         self.docs, self.seq_len, self.batch_size, self.eos_id = docs, seq_len, batch_size, eos_id

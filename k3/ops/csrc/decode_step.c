@@ -343,7 +343,7 @@ static void mla_heads(const Dims *d, const Layer *l, const float *q, const float
     for (int64_t r = R / 64 * 64; r < R; r++) /* columns past the last 64 */
         for (int64_t s = 0; s < S; s++)
             for (int64_t g = 0; g < G; g++)
-                ol[g][r] += scores[g * S + s] * l->pool_lat[(table[s / P] * P + s % P) * RD + r];
+                ol[g][r] += scores[g * S + s] * latent_row(d, l, table, s)[r];
     for (int64_t g = 0; g < G; g++) {
         const int64_t h = h0 + g;
         const float *wv = l->wkvb + h * (Dn + Dv) * R + Dn * R; /* kv_b's value rows of head h */

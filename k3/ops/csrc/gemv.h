@@ -106,8 +106,9 @@ static void gemv_rows(const float *restrict W, int64_t I, const float *restrict 
     }
     /* four weight rows x four inputs per pass: 16 accumulators, 8 loads per 16 FMAs (one row at a time
      * would need 5 loads per 4), reduced together (hsum16x16); the last 1-3 inputs run the same block
-     * with the missing ones left at zero. Each output is still one 16-lane accumulation over i, hsum16,
-     * then the scalar tail, exactly as in the other paths, so a row's result does not depend on B */
+     * with the block's first input standing in for the missing ones (their sums are dropped). Each
+     * output is still one 16-lane accumulation over i, hsum16, then the scalar tail, exactly as in the
+     * other paths, so a row's result does not depend on B */
     for (; o + 4 <= o1 && B >= 2; o += 4) {
         const float *ws[4] = {W + o * I, W + (o + 1) * I, W + (o + 2) * I, W + (o + 3) * I};
         for (int64_t b = 0; b < B; b += 4) {
