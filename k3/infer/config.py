@@ -6,17 +6,18 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class EngineConfig:
     """Memory is sized up front: `num_pages` MLA pages of `page_size` tokens (shared by all MLA layers'
-    pools) and `max_num_seqs` KDA state slots. One step feeds at most `max_num_batched_tokens` tokens,
-    a prefill chunk at most `max_prefill_chunk`. The prefix cache matches in units of `prefix_unit`
-    tokens and keeps KDA snapshots within `snapshot_budget_bytes`, at most `snapshots_per_path` on one
-    conversation's chain. `capture_snapshots`: the KDA state at the last aligned position before a
-    prompt's final token is captured inside the prompt's last chunk (k3.model.state.KDAState.capture_at)
-    instead of ending a chunk there, which costs a second, short forward per prompt. `compile` compiles
-    the batch-1 decode step into one graph (k3.infer.decode_step) and fuses the SiTU activations of
-    prefill (k3.ops.glu.fused_activations): a C++ compiler at run time, tens of seconds once. `native`
-    runs one-token rows (decode) through the whole-model C step where the model qualifies
-    (k3.infer.native_decode: fp32 on the CPU, the release's K3 config); `compile` then only matters
-    where it does not."""
+    pools) and `max_num_seqs` KDA state slots. One step feeds at most `max_num_batched_tokens` prompt
+    tokens (its decode rows ride outside that budget), a prefill chunk at most `max_prefill_chunk`. The
+    prefix cache matches in units of `prefix_unit` tokens and keeps KDA snapshots within
+    `snapshot_budget_bytes`, at most `snapshots_per_path` on one conversation's chain.
+    `capture_snapshots`: the KDA state at the last aligned position before a prompt's final token is
+    captured inside the prompt's last chunk (k3.model.state.KDAState.capture_at) instead of ending a chunk
+    there, which costs a second, short forward per prompt. `compile` compiles the batch-1 decode step into
+    one graph (k3.infer.decode_step) and fuses the SiTU activations of prefill
+    (k3.ops.glu.fused_activations): a C++ compiler at run time, tens of seconds once. `native` runs
+    one-token rows (decode) through the whole-model C step where the model qualifies
+    (k3.infer.native_decode: fp32 on the CPU, the release's K3 config); `compile` then only matters where
+    it does not."""
 
     page_size: int = 64
     num_pages: int = 512

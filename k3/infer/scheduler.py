@@ -1,14 +1,15 @@
 """Continuous batching with chunked prefill, prefix-cache admission and preemption (pure Python).
 
-Each `schedule()` call plans one model step within a token budget: running sequences first (a decode
-feeds 1 token, an unfinished prefill its next chunk), then waiting ones while a KDA slot and pages are
-free. With the prefix cache on, a prefill chunk that does not finish the prompt ends on a unit boundary,
-and the KDA state at floor((P-1)/unit)*unit is snapshotted (the last prompt token is always recomputed to
-produce logits): captured inside the prompt's last chunk (`EngineConfig.capture_snapshots`), or, with
-that off, by pausing the prompt there. A chunk also ends where the cached MLA chain
-outran the deepest snapshot at admission (a junction: a shared prefix that later requests branch from)
-so a snapshot lands there. When pages run out, cache-only pages are
-evicted first, then the newest running sequence is preempted: its memory is freed and it is requeued to
+Each `schedule()` call plans one model step within a budget of prompt tokens: running sequences first (a
+decode feeds 1 token, an unfinished prefill its next chunk), then waiting ones while a KDA slot and pages are
+free. Decode rows ride outside the budget (at most `max_num_seqs` of them): charging them would cut the step's
+last prompt into a short tail chunk, and a short prefill forward costs nearly as much as a full one. With the
+prefix cache on, a prefill chunk that does not finish the prompt ends on a unit boundary, and the KDA state at
+floor((P-1)/unit)*unit is snapshotted (the last prompt token is always recomputed to produce logits): captured
+inside the prompt's last chunk (`EngineConfig.capture_snapshots`), or, with that off, by pausing the prompt
+there. A chunk also ends where the cached MLA chain outran the deepest snapshot at admission (a junction: a
+shared prefix that later requests branch from) so a snapshot lands there. When pages run out, cache-only pages
+are evicted first, then the newest running sequence is preempted: its memory is freed and it is requeued to
 recompute prompt + output so far (its cached prefix usually comes straight back from the prefix cache).
 """
 
@@ -67,11 +68,12 @@ class Scheduler:
     def schedule(self) -> StepPlan:
         plan, budget = StepPlan(), self.config.max_num_batched_tokens
         for seq in list(self.running):
-            if budget == 0:
-                break
             if seq.status is not Status.RUNNING:  # preempted earlier in this loop
                 continue
-            n = self._chunk(seq, budget)
+            decoding = seq.num_computed >= len(seq.prompt)  # one token, outside the budget
+            if not decoding and budget == 0:
+                continue
+            n = self._chunk(seq, 1 if decoding else budget)
             while not self._reserve(seq, n, plan):
                 victim = next(
                     (
@@ -86,7 +88,7 @@ class Scheduler:
                     break
             if seq.status is Status.RUNNING:
                 plan.items.append((seq, n))
-                budget -= n
+                budget -= 0 if decoding else n
         while self.waiting and budget > 0 and self.slots.num_free:
             if not self._admit(self.waiting[0], budget, plan):
                 break

@@ -59,6 +59,22 @@ def test_token_budget_and_slots_bound_a_step():
     assert [n for _, n in plan.items] == [1, 10]  # decode first, then the unfinished prefill
 
 
+def test_decode_rows_ride_outside_the_prompt_budget():
+    """Running decodes do not shrink the step's prompt budget: a waiting prompt that fits the budget
+    is fed whole beside them, not cut into a chunk plus a short tail."""
+    cfg = EngineConfig(page_size=16, prefix_unit=16, num_pages=64, max_model_len=256, max_num_seqs=4,
+                       max_num_batched_tokens=64, enable_prefix_cache=False)  # fmt: skip
+    sched = Scheduler(cfg)
+    for _ in range(2):
+        sched.add(Sequence(list(range(32))))
+    run_step(sched)  # both prompts, 64 tokens
+    for _ in range(2):
+        sched.add(Sequence(list(range(32))))
+    plan = run_step(sched)
+    assert [n for _, n in plan.items] == [1, 1, 32, 32]
+    assert sum(n for _, n in plan.items) == 66 > cfg.max_num_batched_tokens
+
+
 def test_preemption_frees_the_newest_and_requeues_it_first():
     cfg = EngineConfig(page_size=16, prefix_unit=16, num_pages=4, max_model_len=64, enable_prefix_cache=False)
     sched = Scheduler(cfg)
