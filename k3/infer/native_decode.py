@@ -45,7 +45,7 @@ _LAYER_PTRS = (
     "attn_norm ffn_norm attn_res ffn_res "
     "wq wk wv conv_q conv_k conv_v wfa wfb dt_bias a_exp wb wg o_norm wo "
     "pool_conv_q pool_conv_k pool_conv_v pool_rec "
-    "wqa qa_norm wqb wkva kva_norm wkvb mg mo pool_lat "
+    "wqa qa_norm wqb wkva kva_norm wkvb wkbt mg mo pool_lat "
     "w_gate w_up w_down router router_bias lat_down lat_norm lat_up w1 w2 w3"
 ).split()
 
@@ -199,7 +199,8 @@ class NativeDecode:
                 qa_norm=p(a.q_a_layernorm.weight) if q_lora else None,
                 wqb=p(a.q_b_proj.weight if q_lora else a.q_proj.weight),
                 wkva=p(a.kv_a_proj_with_mqa.weight), kva_norm=p(a.kv_a_layernorm.weight),
-                wkvb=p(a.kv_b_proj.weight), mg=p(a.g_proj.weight), mo=p(a.o_proj.weight),
+                wkvb=p(a.kv_b_proj.weight), wkbt=p(_key_absorption(a.kv_b_proj.weight, r.model.config)),
+                mg=p(a.g_proj.weight), mo=p(a.o_proj.weight),
                 pool_lat=r.mla[i].data_ptr(),
             )  # fmt: skip
         if hasattr(layer, "block_sparse_moe"):
@@ -227,6 +228,13 @@ class NativeDecode:
             )
         fields.setdefault("mx", 0)
         return Layer(mla=int(i not in r.kda), moe=int(hasattr(layer, "block_sparse_moe")), **fields)
+
+
+def _key_absorption(kv_b: torch.Tensor, c) -> torch.Tensor:
+    """kv_b's key rows of every head, transposed: [HM, R, Dn] from kv_b [HM * (Dn + Dv), R], so the C
+    step absorbs a query into the latent space (W_uk^T q_nope) as one row-major product over all rows."""
+    w = kv_b.detach().float().view(c.num_attention_heads, c.qk_nope_head_dim + c.v_head_dim, c.kv_lora_rank)
+    return w[:, : c.qk_nope_head_dim].transpose(1, 2).contiguous()
 
 
 def _res_query(norm, proj) -> torch.Tensor:

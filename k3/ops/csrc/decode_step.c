@@ -38,7 +38,7 @@ typedef struct {
     const float *wq, *wk, *wv, *conv_q, *conv_k, *conv_v, *wfa, *wfb, *dt_bias, *a_exp, *wb, *wg, *o_norm, *wo;
     float *pool_conv_q, *pool_conv_k, *pool_conv_v, *pool_rec; /* [slots, C, W-1] x 3, [slots, H, K, K] */
     /* MLA (wqb is q_proj when Q == 0) */
-    const float *wqa, *qa_norm, *wqb, *wkva, *kva_norm, *wkvb, *mg, *mo;
+    const float *wqa, *qa_norm, *wqb, *wkva, *kva_norm, *wkvb, *wkbt, *mg, *mo; /* wkbt: [HM, R, Dn] */
     float *pool_lat; /* [rows, R + Dr] */
     /* FFN: the dense GLU, or the shared experts of an MoE layer */
     const float *w_gate, *w_up, *w_down;
@@ -128,7 +128,7 @@ typedef struct {
     float *scores;                          /* [nt, S] MLA softmax rows */
     int64_t *slot_rows, *slot_expert;       /* MoE: the row and the expert of each (row, choice) slot */
     float *slot_weight;
-    Job *jobs;                              /* MoE: w1 + w3 per expert in use, then w2 per expert */
+    Job *jobs; /* MoE: w1 + w3 per expert in use, then w2 per expert; MLA: two products per head */
     int64_t big, n_slots, n_up, n_down;
 } Scratch;
 
@@ -152,7 +152,7 @@ static int64_t big_width(const Dims *d) {
 
 int64_t k3_decode_scratch_floats(const Dims *d, int64_t B, int64_t S, int64_t nt) {
     const int64_t nbuf = d->L / d->block + 3;
-    const int64_t slots = B * d->topk, job_floats = 3 * slots * (int64_t)(sizeof(Job) / sizeof(float));
+    const int64_t slots = B * d->topk, job_floats = (3 * slots + 2 * d->HM) * (int64_t)(sizeof(Job) / sizeof(float));
     return nbuf * B * d->D + 4 * B * d->D + 6 * B * big_width(d) + nt * S * MLA_GROUP + 6 * slots + job_floats + 64;
 }
 
@@ -171,7 +171,7 @@ static Scratch carve(const Dims *d, int64_t B, float *p) {
     s.slot_rows = (int64_t *)p, p += slots * 2 * 2;   /* int64: two floats each; [2 * slots] */
     s.slot_expert = (int64_t *)p, p += slots * 2;     /* [slots] */
     s.slot_weight = p, p += slots * 2;                /* [2 * slots] */
-    s.jobs = (Job *)p, p += 3 * slots * (int64_t)(sizeof(Job) / sizeof(float));
+    s.jobs = (Job *)p, p += (3 * slots + 2 * d->HM) * (int64_t)(sizeof(Job) / sizeof(float));
     s.n_slots = s.n_up = s.n_down = 0;
     s.scores = p;
     return s;
@@ -274,17 +274,18 @@ static float *latent_row(const Dims *d, const Layer *l, const int64_t *table, in
 /* heads [h0, h1) (at most MLA_GROUP) of one row's absorbed attention over its S = len + 1 latents, in
  * one pass over the latents for the scores and one for the values (each latent row is read once for all
  * the group's heads, not once per head). Each head's sums run exactly as they would on its own, so the
- * grouping does not change a bit. scores: [MLA_GROUP, S] */
-static void mla_heads(const Dims *d, const Layer *l, const float *q, const float *gate, float *o,
+ * grouping does not change a bit. ql: the row's [HM, R + Dr] absorbed queries (the nope part filled,
+ * the rope part copied in here); ol: the row's [HM, R] attention-weighted latents (out); scores:
+ * [MLA_GROUP, S] */
+static void mla_heads(const Dims *d, const Layer *l, const float *q, float *ql_row, float *ol_row,
                       const int64_t *table, int64_t S, int64_t h0, int64_t h1, float *scores) {
-    const int64_t R = d->R, Dr = d->Dr, Dn = d->Dn, Dv = d->Dv, Dh = Dn + Dr, RD = R + Dr, G = h1 - h0;
-    float ql[MLA_GROUP][1024 + 256], ol[MLA_GROUP][1024], m[MLA_GROUP], z[MLA_GROUP];
+    const int64_t R = d->R, Dr = d->Dr, Dh = d->Dn + Dr, RD = R + Dr, G = h1 - h0;
+    const float *ql[MLA_GROUP];
+    float *ol[MLA_GROUP], m[MLA_GROUP], z[MLA_GROUP];
     for (int64_t g = 0; g < G; g++) {
-        const float *qn = q + (h0 + g) * Dh, *qp = qn + Dn, *wk = l->wkvb + (h0 + g) * (Dn + Dv) * R;
-        for (int64_t r = 0; r < R; r++) ql[g][r] = 0.0f;
-        for (int64_t i = 0; i < Dn; i++)
-            for (int64_t r = 0; r < R; r++) ql[g][r] += qn[i] * wk[i * R + r];
-        for (int64_t i = 0; i < Dr; i++) ql[g][R + i] = qp[i];
+        float *qg = ql_row + (h0 + g) * RD;
+        memcpy(qg + R, q + (h0 + g) * Dh + d->Dn, Dr * sizeof(float));
+        ql[g] = qg, ol[g] = ol_row + (h0 + g) * R;
         m[g] = -INFINITY, z[g] = 0.0f;
     }
     const int64_t P = d->page_size;
@@ -344,22 +345,21 @@ static void mla_heads(const Dims *d, const Layer *l, const float *q, const float
         for (int64_t s = 0; s < S; s++)
             for (int64_t g = 0; g < G; g++)
                 ol[g][r] += scores[g * S + s] * latent_row(d, l, table, s)[r];
-    for (int64_t g = 0; g < G; g++) {
-        const int64_t h = h0 + g;
-        const float *wv = l->wkvb + h * (Dn + Dv) * R + Dn * R; /* kv_b's value rows of head h */
-        for (int64_t j = 0; j < Dv; j++) o[h * Dv + j] = dot(wv + j * R, ol[g], R) * sigmoid_poly(gate[h * Dv + j]);
-    }
 }
 
+/* Absorbed MLA decode. The query absorption (ql = W_uk^T q_nope per head) and the value up-projection
+ * (W_uv ol per head) run as products over all B rows at once, so each head's kv_b rows stream from
+ * memory once per step rather than once per row; only the latent passes are per (row, head group). */
 static void mla(const Dims *d, const Layer *l, Scratch *s, int64_t B, const int64_t *tables,
                 const int64_t *lengths, int64_t S_max, int t, int nt) {
-    const int64_t D = d->D, HM = d->HM, Dh = d->Dn + d->Dr, RD = d->R + d->Dr, big = s->big;
-    float *qa = s->a, *kva = s->b, *gate = s->c, *q = s->d, *o = s->e;
+    const int64_t D = d->D, HM = d->HM, Dn = d->Dn, Dv = d->Dv, R = d->R, Dh = Dn + d->Dr, RD = R + d->Dr;
+    const int64_t big = s->big;
+    float *qa = s->a, *kva = s->b, *gate = s->c, *q = s->d, *o = s->e, *ql = s->a, *ol = s->f;
     const int64_t qrows = d->Q ? d->Q : HM * Dh;
     Job jobs[3] = {
         job(d->Q ? l->wqa : l->wqb, qrows, D, s->xn, D, B, d->Q ? qa : q, big),
         job(l->wkva, RD, D, s->xn, D, B, kva, big),
-        job(l->mg, HM * d->Dv, D, s->xn, D, B, gate, big),
+        job(l->mg, HM * Dv, D, s->xn, D, B, gate, big),
     };
     run_jobs(jobs, 3, t, nt);
 #pragma omp barrier
@@ -375,6 +375,13 @@ static void mla(const Dims *d, const Layer *l, Scratch *s, int64_t B, const int6
         run_jobs(&jq, 1, t, nt);
 #pragma omp barrier
     }
+    Job *per_head = s->jobs; /* the MoE's job list is free until the FFN */
+    if (t == 0)
+        for (int64_t h = 0; h < HM; h++) /* ql[b, h, :R] = W_uk[h]^T q_nope[b, h] (wkbt: [HM, R, Dn]) */
+            per_head[h] = job(l->wkbt + h * R * Dn, R, Dn, q + h * Dh, big, B, ql + h * RD, big);
+#pragma omp barrier
+    run_jobs(per_head, (int)HM, t, nt);
+#pragma omp barrier
     /* work items: a row's heads in groups of G (up to MLA_GROUP), each group one pass over the row's
      * latents; a row splits into the fewest groups that give every thread the same number of items, or
      * at least four each (one row on two threads: two groups of HM / 2 heads) */
@@ -386,11 +393,23 @@ static void mla(const Dims *d, const Layer *l, Scratch *s, int64_t B, const int6
     per_row = (HM + G - 1) / G;
     for (int64_t p = t; p < B * per_row; p += nt) {
         const int64_t b = p / per_row, h0 = (p % per_row) * G, h1 = h0 + G < HM ? h0 + G : HM;
-        mla_heads(d, l, q + b * big, gate + b * big, o + b * big, tables + b * d->pages, lengths[b] + 1, h0, h1,
+        mla_heads(d, l, q + b * big, ql + b * big, ol + b * big, tables + b * d->pages, lengths[b] + 1, h0, h1,
                   scores);
     }
+    if (t == 0)
+        for (int64_t h = 0; h < HM; h++) /* o[b, h, :] = W_uv[h] ol[b, h] (kv_b's value rows of head h) */
+            per_head[HM + h] = job(l->wkvb + (h * (Dn + Dv) + Dn) * R, Dv, R, ol + h * R, big, B, o + h * Dv, big);
 #pragma omp barrier
-    Job jo = job(l->mo, D, HM * d->Dv, o, big, B, s->y, D);
+    run_jobs(per_head + HM, (int)HM, t, nt);
+#pragma omp barrier
+    int64_t lo, hi;
+    share(B * HM * Dv, t, nt, &lo, &hi);
+    for (int64_t i = lo; i < hi; i++) { /* the output gate */
+        const int64_t b = i / (HM * Dv), j = i % (HM * Dv);
+        o[b * big + j] *= sigmoid_poly(gate[b * big + j]);
+    }
+#pragma omp barrier
+    Job jo = job(l->mo, D, HM * Dv, o, big, B, s->y, D);
     run_jobs(&jo, 1, t, nt);
 }
 
