@@ -11,7 +11,10 @@ decode) before it prints `@@ {"ready": ...}`; then each line `run` on stdin time
 `@@ {format: {"prefill": {n: tok/s}, "decode": tok/s}}` (the plan gives each format its checkpoint
 folder and prompt lengths):
 
-* prefill: a `max_tokens=1` request of n random token ids (its time includes sampling that token);
+* prefill: a `max_tokens=1` request of n random token ids (its time includes sampling that token),
+  right after an untimed one of the same length: llama-bench runs a warm-up prompt of the test's size
+  before each timed one, and the two sides' timed runs start alike only if k3's does too (between
+  rounds llama.cpp's run has taken the caches and the cores);
 * decode: a request of `decode-context` tokens and `decode-new + 1` output tokens; the time from its
   first token (the prefill's) to its last, over `decode-new` tokens (batch 1, greedy, ignore_eos).
 
@@ -130,7 +133,10 @@ def main(argv=None) -> None:
             break
         out = {}
         for name, (e, rand, lengths) in engines.items():
-            pre = {str(n): prefill(e, rand(n)) for n in lengths}
+            pre = {}
+            for n in lengths:
+                prefill(e, rand(n))  # the warm-up run, as llama-bench's before each timed prompt
+                pre[str(n)] = prefill(e, rand(n))
             out[name] = dict(prefill=pre, decode=decode(e, rand(a.decode_context), a.decode_new))
         emit(out)
 
