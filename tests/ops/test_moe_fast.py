@@ -132,14 +132,17 @@ def _native_or_skip():
 
 
 @pytest.mark.parametrize("act", ["situ", "situ-b8", "silu"])
-@pytest.mark.parametrize(("T", "k", "skew"), [(1, 2, False), (5, 3, False), (64, 2, False), (33, 4, True)])
+@pytest.mark.parametrize(
+    ("T", "k", "skew"), [(1, 2, False), (5, 3, False), (64, 2, False), (33, 4, True), (160, 2, False)]
+)
 @pytest.mark.parametrize(("Dl", "I"), [(20, 24), (32, 48)])
 @pytest.mark.parametrize("threads", [1, 3])
 def test_native_experts_match_naive(act, T, k, skew, Dl, I, threads):
     """One C call per layer (gather, products, GLU, weighted scatter-add) == the reference, for SiTU with
     the release betas and others, SwiGLU, decode, uneven loads and experts without tokens; with dims that
-    are multiples of 16, experts with >= 16 slots run transposed on the panel products (T = 64, and the
-    skewed loads), the others on sgemm, in the same call; on one thread and on a team of three, each
+    are multiples of 16, experts with >= 16 slots run transposed on the panel products (T = 64, the
+    skewed loads, and T = 160, whose ~40 slots an expert fill 32-column tiles and a 16-column tail),
+    the others on sgemm, in the same call; on one thread and on a team of three, each
     with its share of the experts and its own partial sums."""
     _native_or_skip()
     fn = {"situ": situ_glu, "situ-b8": glu_fn("situ", 8.0, 10.0), "silu": swiglu}[act]
