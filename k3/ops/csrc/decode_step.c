@@ -298,11 +298,11 @@ static void mla_heads(const Dims *d, const Layer *l, const float *q, float *ql_r
                 const int64_t n = G - g0 < 4 ? G - g0 : 4;
                 const float *qs[4]; /* a block of fewer than four heads repeats its first (discarded) */
                 for (int g = 0; g < 4; g++) qs[g] = ql[g0 + (g < n ? g : 0)];
-                v16 acc[4] = {{0}, {0}, {0}, {0}}; /* constant trip counts: the accumulators stay in registers */
+                lanes16 acc[4] = {{0}, {0}, {0}, {0}}; /* constant trip counts: the accumulators stay in registers */
                 int64_t i = 0;
                 for (; i + 16 <= RD; i += 16) {
-                    const v16 lv = ld16(lat + i);
-                    for (int g = 0; g < 4; g++) acc[g] += ld16(qs[g] + i) * lv;
+                    const lanes16 lv = load16(lat + i);
+                    for (int g = 0; g < 4; g++) acc[g] += load16(qs[g] + i) * lv;
                 }
                 for (int64_t g = 0; g < n; g++) {
                     float x = hsum16(acc[g]);
@@ -328,18 +328,18 @@ static void mla_heads(const Dims *d, const Layer *l, const float *q, float *ql_r
             const int64_t n = G - g0 < 4 ? G - g0 : 4;
             const float *ps[4];
             for (int g = 0; g < 4; g++) ps[g] = scores + (g0 + (g < n ? g : 0)) * S;
-            v16 acc[4][4] = {{{0}}};
+            lanes16 acc[4][4] = {{{0}}};
             for (int64_t s0 = 0; s0 < S; s0 += P) {
                 const float *page = l->pool_lat + table[s0 / P] * P * RD + r0;
                 for (int64_t s = s0; s < S && s < s0 + P; s++) {
                     const float *lat = page + (s - s0) * RD;
-                    const v16 lv[4] = {ld16(lat), ld16(lat + 16), ld16(lat + 32), ld16(lat + 48)};
+                    const lanes16 lv[4] = {load16(lat), load16(lat + 16), load16(lat + 32), load16(lat + 48)};
                     for (int g = 0; g < 4; g++)
                         for (int v = 0; v < 4; v++) acc[g][v] += ps[g][s] * lv[v];
                 }
             }
             for (int64_t g = 0; g < n; g++)
-                for (int v = 0; v < 4; v++) memcpy(ol[g0 + g] + r0 + 16 * v, &acc[g][v], sizeof(v16));
+                for (int v = 0; v < 4; v++) memcpy(ol[g0 + g] + r0 + 16 * v, &acc[g][v], sizeof(lanes16));
         }
     for (int64_t r = R / 64 * 64; r < R; r++) /* columns past the last 64 */
         for (int64_t s = 0; s < S; s++)

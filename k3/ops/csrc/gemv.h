@@ -10,7 +10,7 @@
 #include <stdint.h>
 #include <string.h>
 
-typedef float v16 __attribute__((vector_size(64)));
+#include "lanes.h"
 
 /* weight rows ahead that the products prefetch. The weights of a small model sit in L3, which one core
  * reads at ~20 GB/s only with many lines in flight: the hardware prefetcher does not run far enough
@@ -18,23 +18,16 @@ typedef float v16 __attribute__((vector_size(64)));
  * experts' products at 4 inputs from 15-24 to 32-40 GB/s on two threads (and is neutral on long rows) */
 #define GEMV_PREFETCH_ROWS 8
 
-static inline v16 ld16(const float *p) {
-    v16 v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
-
-typedef float v8 __attribute__((vector_size(32)));
 typedef float v4 __attribute__((vector_size(16)));
 
-static inline float hsum16(v16 v) {
+static inline float hsum16(lanes16 v) {
     /* pairwise, so that the order is fixed whatever the vector width the compiler picks: lane j plus
      * lane j + 8, then j + 4, j + 2, j + 1, in halves of vector registers (a sum through memory and
      * scalar adds cost more than the 16-lane products it ends when the rows are short) */
-    v8 lo, hi;
+    lanes8 lo, hi;
     memcpy(&lo, &v, sizeof lo);
     memcpy(&hi, (const char *)&v + sizeof lo, sizeof hi);
-    const v8 a = lo + hi;
+    const lanes8 a = lo + hi;
     v4 l4, h4;
     memcpy(&l4, &a, sizeof l4);
     memcpy(&h4, (const char *)&a + sizeof l4, sizeof h4);
@@ -45,7 +38,7 @@ static inline float hsum16(v16 v) {
 /* hsum16 of 16 vectors at once: lane k of the result is exactly hsum16(v[k]) (the same pairs added in
  * the same order: lanes 8 apart, then 4, then 2, then 1; float addition is commutative), in 15 pairwise
  * shuffle-and-add steps instead of 16 separate reductions */
-static inline v16 hsum16x16(const v16 v[16]) {
+static inline lanes16 hsum16x16(const lanes16 v[16]) {
     typedef int32_t vi __attribute__((vector_size(64)));
     const vi halves_lo = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
     const vi halves_hi = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
@@ -55,7 +48,7 @@ static inline v16 hsum16x16(const v16 v[16]) {
     const vi pairs_hi = {2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31};
     const vi even = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
     const vi odd = {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
-    v16 a[8], b[4], c[2];
+    lanes16 a[8], b[4], c[2];
     for (int i = 0; i < 8; i++) /* lanes 0-7: v[2i]'s j + j+8; lanes 8-15: v[2i+1]'s */
         a[i] = __builtin_shuffle(v[2 * i], v[2 * i + 1], halves_lo) + __builtin_shuffle(v[2 * i], v[2 * i + 1], halves_hi);
     for (int i = 0; i < 4; i++) /* four lanes per vector: j + j+4 */
@@ -66,9 +59,9 @@ static inline v16 hsum16x16(const v16 v[16]) {
 }
 
 static inline float dot(const float *restrict a, const float *restrict b, int64_t n) {
-    v16 acc = {0};
+    lanes16 acc = {0};
     int64_t i = 0;
-    for (; i + 16 <= n; i += 16) acc += ld16(a + i) * ld16(b + i);
+    for (; i + 16 <= n; i += 16) acc += load16(a + i) * load16(b + i);
     float s = hsum16(acc);
     for (; i < n; i++) s += a[i] * b[i];
     return s;
@@ -81,16 +74,16 @@ static void gemv_rows(const float *restrict W, int64_t I, const float *restrict 
     if (B == 1) {
         for (; o + 4 <= o1; o += 4) {
             const float *w0 = W + o * I, *w1 = w0 + I, *w2 = w1 + I, *w3 = w2 + I;
-            v16 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+            lanes16 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
             int64_t i = 0;
             for (; i + 16 <= I; i += 16) { /* one prefetch per cache line of each row */
                 __builtin_prefetch(w0 + GEMV_PREFETCH_ROWS * I + i), __builtin_prefetch(w1 + GEMV_PREFETCH_ROWS * I + i);
                 __builtin_prefetch(w2 + GEMV_PREFETCH_ROWS * I + i), __builtin_prefetch(w3 + GEMV_PREFETCH_ROWS * I + i);
-                const v16 x = ld16(X + i);
-                a0 += ld16(w0 + i) * x;
-                a1 += ld16(w1 + i) * x;
-                a2 += ld16(w2 + i) * x;
-                a3 += ld16(w3 + i) * x;
+                const lanes16 x = load16(X + i);
+                a0 += load16(w0 + i) * x;
+                a1 += load16(w1 + i) * x;
+                a2 += load16(w2 + i) * x;
+                a3 += load16(w3 + i) * x;
             }
             float s0 = hsum16(a0), s1 = hsum16(a1), s2 = hsum16(a2), s3 = hsum16(a3);
             for (; i < I; i++) {
@@ -115,17 +108,17 @@ static void gemv_rows(const float *restrict W, int64_t I, const float *restrict 
             const int64_t nb = B - b < 4 ? B - b : 4;
             const float *xs[4];
             for (int c = 0; c < 4; c++) xs[c] = X + (b + (c < nb ? c : 0)) * ldx;
-            v16 acc[16] = {{0}};
+            lanes16 acc[16] = {{0}};
             int64_t i = 0;
             for (; i + 16 <= I; i += 16) {
                 if (b == 0) /* later inputs find the rows in L1 */
                     for (int r = 0; r < 4; r++) __builtin_prefetch(ws[r] + GEMV_PREFETCH_ROWS * I + i);
-                const v16 wv[4] = {ld16(ws[0] + i), ld16(ws[1] + i), ld16(ws[2] + i), ld16(ws[3] + i)};
-                const v16 xv[4] = {ld16(xs[0] + i), ld16(xs[1] + i), ld16(xs[2] + i), ld16(xs[3] + i)};
+                const lanes16 wv[4] = {load16(ws[0] + i), load16(ws[1] + i), load16(ws[2] + i), load16(ws[3] + i)};
+                const lanes16 xv[4] = {load16(xs[0] + i), load16(xs[1] + i), load16(xs[2] + i), load16(xs[3] + i)};
                 for (int r = 0; r < 4; r++)
                     for (int c = 0; c < 4; c++) acc[4 * r + c] += wv[r] * xv[c];
             }
-            const v16 sums = hsum16x16(acc);
+            const lanes16 sums = hsum16x16(acc);
             for (int r = 0; r < 4; r++)
                 for (int c = 0; c < nb; c++) {
                     float sum = sums[4 * r + c];
@@ -139,14 +132,14 @@ static void gemv_rows(const float *restrict W, int64_t I, const float *restrict 
         int64_t b = 0;
         for (; b + 4 <= B; b += 4) {
             const float *x0 = X + b * ldx, *x1 = x0 + ldx, *x2 = x1 + ldx, *x3 = x2 + ldx;
-            v16 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+            lanes16 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
             int64_t i = 0;
             for (; i + 16 <= I; i += 16) {
-                const v16 wv = ld16(w + i);
-                a0 += wv * ld16(x0 + i);
-                a1 += wv * ld16(x1 + i);
-                a2 += wv * ld16(x2 + i);
-                a3 += wv * ld16(x3 + i);
+                const lanes16 wv = load16(w + i);
+                a0 += wv * load16(x0 + i);
+                a1 += wv * load16(x1 + i);
+                a2 += wv * load16(x2 + i);
+                a3 += wv * load16(x3 + i);
             }
             float s0 = hsum16(a0), s1 = hsum16(a1), s2 = hsum16(a2), s3 = hsum16(a3);
             for (; i < I; i++) {
@@ -170,7 +163,7 @@ static void gemv_rows(const float *restrict W, int64_t I, const float *restrict 
 typedef int32_t v16i __attribute__((vector_size(64)));
 typedef uint8_t v16b __attribute__((vector_size(16)));
 
-static const v16 MX_E2M1 = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
+static const lanes16 MX_E2M1 = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
                             -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
 
 static inline float e8m0(uint8_t e) {
@@ -202,16 +195,16 @@ static void gemv_rows_mx(const uint8_t *restrict packed, const uint8_t *restrict
         const uint8_t *q = packed + o * (I / 2), *sc = scales + o * nb;
         for (int64_t b0 = 0; b0 < B; b0 += 4) {
             const int64_t nbat = B - b0 < 4 ? B - b0 : 4;
-            v16 acc[4] = {{0}, {0}, {0}, {0}};
+            lanes16 acc[4] = {{0}, {0}, {0}, {0}};
             for (int64_t k = 0; k < nb; k++) {
                 v16b raw;
                 memcpy(&raw, q + 16 * k, sizeof raw);
                 const v16i codes = __builtin_convertvector(raw, v16i);
-                const v16 lo = __builtin_shuffle(MX_E2M1, codes & 15), hi = __builtin_shuffle(MX_E2M1, codes >> 4);
+                const lanes16 lo = __builtin_shuffle(MX_E2M1, codes & 15), hi = __builtin_shuffle(MX_E2M1, codes >> 4);
                 const float s = e8m0(sc[k]);
                 for (int64_t r = 0; r < nbat; r++) {
                     const float *x = Xs + (b0 + r) * I + 32 * k;
-                    acc[r] += (lo * ld16(x) + hi * ld16(x + 16)) * s;
+                    acc[r] += (lo * load16(x) + hi * load16(x + 16)) * s;
                 }
             }
             for (int64_t r = 0; r < nbat; r++) Y[(b0 + r) * ldy + o] = hsum16(acc[r]);

@@ -1,6 +1,7 @@
 /* 8 fp32 lanes (GCC / Clang vector extension: AVX on x86-64, two NEON registers on arm64) for the kernels'
  * reductions. Written out because gcc scalarises the 8-partial-sums array form of a reduction once it
- * is inlined into a larger loop (seen in attn_res.c). Used by attn_res.c and kda_halves.c. */
+ * is inlined into a larger loop (seen in attn_res.c). Used by attn_res.c, kda_halves.c, small_gemm.h and
+ * gemv.h. */
 #ifndef K3_LANES_H
 #define K3_LANES_H
 
@@ -11,6 +12,15 @@ typedef float lanes8 __attribute__((vector_size(32)));
 
 static inline lanes8 load8(const float *p) {
     lanes8 v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+/* 16 fp32 lanes: one AVX-512 register (two AVX2 ones), for products that stream 64-byte rows */
+typedef float lanes16 __attribute__((vector_size(64)));
+
+static inline lanes16 load16(const float *p) {
+    lanes16 v;
     memcpy(&v, p, sizeof v);
     return v;
 }

@@ -20,91 +20,55 @@
 
 #include "lanes.h"
 
-static inline void store8(float *p, lanes8 v) { memcpy(p, &v, sizeof v); }
-
-/* C[R x 16] (=, +=, -=: mode 0, 1, -1) A[R x k] B[k x 16], R <= 6 a compile-time constant after inlining */
-static inline __attribute__((always_inline)) void tile_rx16(int R, int64_t k, const float *restrict A,
-                                                            int64_t lda, const float *restrict B, int64_t ldb,
-                                                            float *restrict C, int64_t ldc, int mode) {
-    lanes8 acc[12] = {0};
-    for (int64_t p = 0; p < k; p++) {
-        const lanes8 b0 = load8(B + p * ldb), b1 = load8(B + p * ldb + 8);
-        for (int r = 0; r < R; r++) {
-            const float a = A[r * lda + p];
-            acc[2 * r] += a * b0;
-            acc[2 * r + 1] += a * b1;
-        }
+/* C[R x 2w] (=, +=, -=: mode 0, 1, -1) A[R x k] B[k x 2w] on vectors of w lanes (vec, loaded by load): 12
+ * accumulators, R <= 6 a compile-time constant after inlining */
+#define DEFINE_TILE(name, vec, load)                                                                        \
+    static inline __attribute__((always_inline)) void name(int R, int64_t k, const float *restrict A,       \
+                                                           int64_t lda, const float *restrict B,            \
+                                                           int64_t ldb, float *restrict C, int64_t ldc,     \
+                                                           int mode) {                                      \
+        enum { w = sizeof(vec) / sizeof(float) };                                                           \
+        vec acc[12] = {0};                                                                                  \
+        for (int64_t p = 0; p < k; p++) {                                                                   \
+            const vec b0 = load(B + p * ldb), b1 = load(B + p * ldb + w);                                   \
+            for (int r = 0; r < R; r++) {                                                                   \
+                const float a = A[r * lda + p];                                                             \
+                acc[2 * r] += a * b0;                                                                       \
+                acc[2 * r + 1] += a * b1;                                                                   \
+            }                                                                                               \
+        }                                                                                                   \
+        for (int r = 0; r < R; r++)                                                                         \
+            for (int s = 0; s < 2; s++) {                                                                   \
+                float *c = C + r * ldc + w * s;                                                             \
+                const vec x = acc[2 * r + s], y = mode == 0 ? x : mode > 0 ? load(c) + x : load(c) - x;     \
+                memcpy(c, &y, sizeof y);                                                                    \
+            }                                                                                               \
     }
-    for (int r = 0; r < R; r++)
-        for (int s = 0; s < 2; s++) {
-            float *c = C + r * ldc + 8 * s;
-            const lanes8 x = acc[2 * r + s];
-            store8(c, mode == 0 ? x : mode > 0 ? load8(c) + x : load8(c) - x);
-        }
-}
 
+DEFINE_TILE(tile_rx16, lanes8, load8) /* 16 columns */
 #ifdef __AVX512F__
-typedef float lanes16 __attribute__((vector_size(64)));
-
-static inline lanes16 load16(const float *p) {
-    lanes16 v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
-
-/* tile_rx16 on 32 columns: C[R x 32] (=, +=, -=) A[R x k] B[k x 32] */
-static inline __attribute__((always_inline)) void tile_rx32(int R, int64_t k, const float *restrict A,
-                                                            int64_t lda, const float *restrict B, int64_t ldb,
-                                                            float *restrict C, int64_t ldc, int mode) {
-    lanes16 acc[12] = {0};
-    for (int64_t p = 0; p < k; p++) {
-        const lanes16 b0 = load16(B + p * ldb), b1 = load16(B + p * ldb + 16);
-        for (int r = 0; r < R; r++) {
-            const float a = A[r * lda + p];
-            acc[2 * r] += a * b0;
-            acc[2 * r + 1] += a * b1;
-        }
-    }
-    for (int r = 0; r < R; r++)
-        for (int s = 0; s < 2; s++) {
-            float *c = C + r * ldc + 16 * s;
-            const lanes16 x = acc[2 * r + s];
-            lanes16 y = x;
-            if (mode) {
-                y = load16(c);
-                y = mode > 0 ? y + x : y - x;
-            }
-            memcpy(c, &y, sizeof y);
-        }
-}
+DEFINE_TILE(tile_rx32, lanes16, load16) /* 32 columns */
 #endif
+
+/* tile(R, ...) with R in 1..6 made a compile-time constant */
+#define WITH_ROWS(R, tile, ...)                                                                             \
+    switch (R) {                                                                                            \
+    case 6: tile(6, __VA_ARGS__); break;                                                                    \
+    case 5: tile(5, __VA_ARGS__); break;                                                                    \
+    case 4: tile(4, __VA_ARGS__); break;                                                                    \
+    case 3: tile(3, __VA_ARGS__); break;                                                                    \
+    case 2: tile(2, __VA_ARGS__); break;                                                                    \
+    default: tile(1, __VA_ARGS__); break;                                                                   \
+    }
 
 /* rows [i, i + R) of C, all n columns; R in 1..6 */
 static inline void rows_x16(int R, int64_t n, int64_t k, const float *A, int64_t lda, const float *B, int64_t ldb,
                      float *C, int64_t ldc, int mode) {
-    int64_t j0 = 0;
+    int64_t j = 0;
 #ifdef __AVX512F__
-    for (; j0 + 32 <= n; j0 += 32) {
-        switch (R) {
-        case 6: tile_rx32(6, k, A, lda, B + j0, ldb, C + j0, ldc, mode); break;
-        case 5: tile_rx32(5, k, A, lda, B + j0, ldb, C + j0, ldc, mode); break;
-        case 4: tile_rx32(4, k, A, lda, B + j0, ldb, C + j0, ldc, mode); break;
-        case 3: tile_rx32(3, k, A, lda, B + j0, ldb, C + j0, ldc, mode); break;
-        case 2: tile_rx32(2, k, A, lda, B + j0, ldb, C + j0, ldc, mode); break;
-        default: tile_rx32(1, k, A, lda, B + j0, ldb, C + j0, ldc, mode); break;
-        }
-    }
+    for (; j + 32 <= n; j += 32) WITH_ROWS(R, tile_rx32, k, A, lda, B + j, ldb, C + j, ldc, mode)
 #endif
-    for (int64_t j = j0; j < n; j += 16) {
-        switch (R) {
-        case 6: tile_rx16(6, k, A, lda, B + j, ldb, C + j, ldc, mode); break;
-        case 5: tile_rx16(5, k, A, lda, B + j, ldb, C + j, ldc, mode); break;
-        case 4: tile_rx16(4, k, A, lda, B + j, ldb, C + j, ldc, mode); break;
-        case 3: tile_rx16(3, k, A, lda, B + j, ldb, C + j, ldc, mode); break;
-        case 2: tile_rx16(2, k, A, lda, B + j, ldb, C + j, ldc, mode); break;
-        default: tile_rx16(1, k, A, lda, B + j, ldb, C + j, ldc, mode); break;
-        }
-    }
+    for (; j < n; j += 16) WITH_ROWS(R, tile_rx16, k, A, lda, B + j, ldb, C + j, ldc, mode)
 }
 
 /* C[m x n] (=, +=, -=) A[m x k] B[k x n] */
