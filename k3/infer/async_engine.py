@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 from k3.infer.engine import Engine
 from k3.infer.sequence import SamplingParams
+from k3.ops import native
 
 
 class QueueFull(RuntimeError):
@@ -50,6 +51,9 @@ class AsyncEngine:
         self._wake = threading.Event()
         self._ids = itertools.count()
         self._stop = False
+        # the engine thread must be the process's only OpenMP master: the loading thread's pool would
+        # make every barrier of the engine's thread team sleep (k3/ops/csrc/omp_pool.c)
+        native.release_thread_pool()
         self._thread = threading.Thread(target=self._run, name="k3-engine", daemon=True)
         self._thread.start()
 
@@ -127,11 +131,19 @@ class AsyncEngine:
             if self.engine.has_unfinished:
                 events += self._step()
             self._metrics = self.engine.metrics()
-            for loop, q, event in events:
-                loop.call_soon_threadsafe(q.put_nowait, event)
+            self._post(events)
             if not self.engine.has_unfinished and self._inbox.empty():
                 self._wake.wait(timeout=0.5)
                 self._wake.clear()
+
+    @staticmethod
+    def _post(events: list) -> None:
+        """Hand the events to their event loops: one wake-up per loop, not one per event."""
+        by_loop: dict = {}
+        for loop, q, event in events:
+            by_loop.setdefault(loop, []).append((q, event))
+        for loop, items in by_loop.items():
+            loop.call_soon_threadsafe(_deliver, items)
 
     def _drain(self) -> list:
         events = []
@@ -182,3 +194,8 @@ class AsyncEngine:
             if out.finished:
                 self._forget(s.request_id)
         return events
+
+
+def _deliver(items: list) -> None:
+    for q, event in items:
+        q.put_nowait(event)

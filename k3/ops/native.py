@@ -32,7 +32,9 @@ FLAGS = (
     "-shared", "-fPIC", "-std=c11",
 )  # fmt: skip
 # kernels that run a thread team (OpenMP: the runtime torch itself loads, so one pool of threads)
-EXTRA_FLAGS = {name: ("-fopenmp",) for name in ("decode_step", "moe_experts", "mla_stream", "kda_pointwise")}
+EXTRA_FLAGS = {
+    name: ("-fopenmp",) for name in ("decode_step", "moe_experts", "mla_stream", "kda_pointwise", "omp_pool")
+}
 _lock = threading.Lock()
 _libs: dict[str, ctypes.CDLL | None] = {}
 
@@ -72,6 +74,19 @@ def function(name: str, symbol: str, argtypes: list):
     if fn.argtypes is None:
         fn.argtypes, fn.restype = argtypes, None
     return fn
+
+
+def release_thread_pool() -> bool:
+    """Let the calling thread's OpenMP worker threads exit (csrc/omp_pool.c says why: a second pool in
+    the process makes every team's barriers sleep). Call it on a thread that has run torch's parallel
+    ops and hands the model to another thread. True when the runtime released it; False without the
+    kernel library or when the runtime refused (e.g. inside a parallel region)."""
+    lib = library("omp_pool")
+    if lib is None:
+        return False
+    fn = lib.k3_release_thread_pool
+    fn.argtypes, fn.restype = [], ctypes.c_int
+    return fn() == 0
 
 
 _SGEMM: list = []  # [address of torch's BLAS sgemm_ or None], looked up once

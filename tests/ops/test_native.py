@@ -3,6 +3,10 @@ torch path (KDA's UT solve and chunk-local pass, MLA's online-softmax step; SiTU
 chunk_kda end to end on the torch path (the suite's other tests run native wherever a compiler exists,
 as on CI)."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -363,3 +367,48 @@ def test_native_expanded_blocks_match_the_torch_path(monkeypatch, tile, block, m
     torch.testing.assert_close(fast, ref, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(half.float(), ref_half.float(), rtol=1e-2, atol=1e-2)
     torch.testing.assert_close(fast, _dense_attention(*case, kw), rtol=1e-5, atol=1e-5)
+
+
+_POOL_PROBE = r"""
+import os, sys, time, torch
+from k3.ops import native
+torch.set_num_threads(2)
+a = torch.randn(512, 512)
+def threads():
+    return len(os.listdir("/proc/self/task"))
+def settle(want):  # released workers exit on their own schedule
+    for _ in range(200):
+        if threads() == want:
+            return True
+        time.sleep(0.01)
+    return False
+torch.mm(a, a)  # this thread's pool: one worker beside it
+with_pool = threads()
+assert native.release_thread_pool() is True
+assert settle(with_pool - 1), (with_pool, threads())
+assert torch.allclose(torch.mm(a, a), a.double().mm(a.double()).float(), atol=1e-3)
+assert settle(with_pool), (with_pool, threads())  # the next parallel op builds a pool again
+print("ok")
+"""
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads through Linux's /proc")
+def test_release_thread_pool_lets_the_callers_workers_exit():
+    """The calling thread's OpenMP worker exits (one thread fewer), and its next parallel op works and
+    builds a new pool. A fresh interpreter, so no other test's threads are counted."""
+    require("omp_pool")
+    run = subprocess.run([sys.executable, "-c", _POOL_PROBE], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr[-2000:]
+
+
+def test_async_engine_releases_the_constructing_threads_pool(monkeypatch):
+    """AsyncEngine hands the engine to its own thread, so it releases the constructing thread's OpenMP
+    pool first (a second pool makes the engine team's barriers sleep)."""
+    from k3.infer import async_engine
+
+    calls = []
+    monkeypatch.setattr(async_engine.native, "release_thread_pool", lambda: calls.append(1) or True)
+    engine = type("Idle", (), {"metrics": lambda self: {}, "has_unfinished": False})()
+    aengine = async_engine.AsyncEngine(engine)
+    aengine.shutdown()
+    assert calls == [1]
