@@ -8,7 +8,7 @@ prompt, `ignore_eos` and a fixed `max_tokens`, so each server generates exactly 
 both `k3 serve` and `llama-server` take these fields) and measures, per request, the time to the first
 streamed text and the tokens the server reports in its final usage chunk. The figures: output tokens
 per second of wall time from the first send to the last token, and TTFT percentiles. The client
-(asyncio + httpx) is the same for both servers, so its own cost falls on both alike.
+(plain asyncio streams) is the same for both servers, so its own cost falls on both alike.
 """
 
 from __future__ import annotations
@@ -16,10 +16,12 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
 import time
+import urllib.request
 from pathlib import Path
 
 
@@ -38,8 +40,6 @@ class Server:
         self.url = f"http://127.0.0.1:{port}"
 
     def start(self) -> str:
-        import httpx
-
         self.log.parent.mkdir(parents=True, exist_ok=True)
         with self.log.open("w") as f:
             f.write("$ " + " ".join(self.cmd) + "\n")
@@ -58,9 +58,10 @@ class Server:
                     f"server exited with code {self.proc.returncode} at start-up; log: {self.log}"
                 )
             try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return self.url
-            except httpx.HTTPError:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        return self.url
+            except OSError:  # refused while starting, a non-200 answer (HTTPError), a timeout
                 pass
             time.sleep(0.5)
         self.stop()
@@ -92,7 +93,62 @@ class Server:
         self.stop()
 
 
-async def one(client, url: str, prompt: list[int], max_tokens: int, t_send: float) -> dict:
+class _Stream:
+    """One HTTP/1.1 request on its own loopback connection, its body read as it arrives.
+
+    A plain asyncio stream, not an HTTP library: the client shares the machine with the server it
+    measures, so its cost per streamed chunk (a few microseconds here, ~90 with httpx) is kept small.
+    Handles chunked and Content-Length bodies, and bodies that end with the connection."""
+
+    def __init__(self, url: str):
+        m = re.fullmatch(r"http://([^:/]+):(\d+)", url)
+        if not m:
+            raise ValueError(f"serving client: expected http://host:port, got {url!r}")
+        self.host, self.port = m.group(1), int(m.group(2))
+
+    async def post(self, path: str, body: dict):
+        """-> (status, async iterator over the body's lines without their line ends)."""
+        data = json.dumps(body).encode()
+        self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
+        head = (
+            f"POST {path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\nContent-Type: application/json\r\n"
+            f"Accept: text/event-stream\r\nContent-Length: {len(data)}\r\nConnection: close\r\n\r\n"
+        )
+        self.writer.write(head.encode() + data)
+        status = int((await self.reader.readline()).split()[1])
+        headers = {}
+        while (line := await self.reader.readline()) not in (b"\r\n", b"\n", b""):
+            k, _, v = line.decode("latin-1").partition(":")
+            headers[k.strip().lower()] = v.strip().lower()
+        return status, self._lines(headers)
+
+    async def _body(self, headers: dict):
+        """The body in pieces as they arrive."""
+        r = self.reader
+        if "chunked" in headers.get("transfer-encoding", ""):
+            while (size := int((await r.readline()).split(b";")[0], 16)) > 0:
+                yield await r.readexactly(size)
+                await r.readexactly(2)
+        elif "content-length" in headers:
+            yield await r.readexactly(int(headers["content-length"]))
+        else:
+            while piece := await r.read(65536):
+                yield piece
+
+    async def _lines(self, headers: dict):
+        rest = b""
+        try:
+            async for piece in self._body(headers):
+                *lines, rest = (rest + piece).split(b"\n")
+                for line in lines:
+                    yield line.rstrip(b"\r")
+            if rest:
+                yield rest
+        finally:
+            self.writer.close()
+
+
+async def one(url: str, prompt: list[int], max_tokens: int, t_send: float) -> dict:
     """One streamed greedy completion -> {ttft, done, tokens} (seconds since `t_send`)."""
     body = {
         "model": "kimi-k3",
@@ -104,22 +160,22 @@ async def one(client, url: str, prompt: list[int], max_tokens: int, t_send: floa
         "stream_options": {"include_usage": True},
     }
     ttft, tokens, texts = None, None, 0
-    async with client.stream("POST", url + "/v1/completions", json=body) as r:
-        if r.status_code != 200:
-            await r.aread()
-            raise RuntimeError(f"{url}: HTTP {r.status_code}: {r.text[:300]}")
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line.strip() == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if "error" in chunk:
-                raise RuntimeError(f"{url}: {chunk['error']}")
-            if chunk.get("usage"):
-                tokens = chunk["usage"]["completion_tokens"]
-            if chunk.get("choices") and chunk["choices"][0].get("text"):
-                texts += 1
-                if ttft is None:
-                    ttft = time.perf_counter() - t_send
+    status, lines = await _Stream(url).post("/v1/completions", body)
+    if status != 200:
+        text = b"\n".join([line async for line in lines]).decode(errors="replace")
+        raise RuntimeError(f"{url}: HTTP {status}: {text[:300]}")
+    async for line in lines:
+        if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
+            continue
+        chunk = json.loads(line[6:])
+        if "error" in chunk:
+            raise RuntimeError(f"{url}: {chunk['error']}")
+        if chunk.get("usage"):
+            tokens = chunk["usage"]["completion_tokens"]
+        if chunk.get("choices") and chunk["choices"][0].get("text"):
+            texts += 1
+            if ttft is None:
+                ttft = time.perf_counter() - t_send
     return dict(ttft=ttft, done=time.perf_counter() - t_send, tokens=tokens if tokens is not None else texts)
 
 
@@ -134,14 +190,12 @@ def pct(xs: list[float], q: float) -> float:
 
 
 async def load(url: str, prompts: list[list[int]], max_tokens: int) -> dict:
-    """All prompts at once -> {tok_per_s, ttft_p50_s, ttft_p99_s, wall_s, tokens, requests}. Raises if
-    a request fails or a server generated other than `max_tokens` tokens for one."""
-    import httpx
-
-    limits = httpx.Limits(max_connections=len(prompts) + 4, max_keepalive_connections=len(prompts) + 4)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(None), limits=limits) as client:
-        t0 = time.perf_counter()
-        res = await asyncio.gather(*(one(client, url, p, max_tokens, t0) for p in prompts))
+    """All prompts at once -> {tok_per_s, ttft_p50_s, ttft_p99_s, wall_s, tokens, requests, client_cpu_s}.
+    Raises if a request fails or a server generated other than `max_tokens` tokens for one.
+    client_cpu_s is this process's CPU time over the round: what the client took from the server."""
+    t0, c0 = time.perf_counter(), time.process_time()
+    res = await asyncio.gather(*(one(url, p, max_tokens, t0) for p in prompts))
+    cpu = time.process_time() - c0
     wrong = [r["tokens"] for r in res if r["tokens"] != max_tokens]
     if wrong:
         raise RuntimeError(f"{url}: {len(wrong)} requests generated {wrong[:4]} tokens, not {max_tokens}")
@@ -155,4 +209,5 @@ async def load(url: str, prompts: list[list[int]], max_tokens: int) -> dict:
         wall_s=wall,
         tokens=tokens,
         requests=len(res),
+        client_cpu_s=cpu,
     )
