@@ -199,10 +199,13 @@ static void l2_normalize(float *x, int64_t n, float eps, float scale) {
     for (int64_t i = 0; i < n; i++) x[i] *= r;
 }
 
-/* one (row, head): conv, gate, delta-rule step on the slot's state, gated RMSNorm of the output */
+/* one (row, head): conv, gate, delta-rule step on the slot's state, gated RMSNorm of the output.
+ * `next`: the state this thread updates after this one (or NULL), fetched into L2 during the second pass
+ * over this one, so that the first pass over it does not wait on memory (a state is K x K fp32, 64 KB
+ * at K = 128: read, scaled, read again and written back by each step, with little arithmetic per byte) */
 static void kda_head(const Dims *d, const Layer *l, const float *u, const float *z, const float *beta_raw,
                      const float *gate, float *o, int64_t slot, int64_t h, float *q, float *k, float *v,
-                     float *g) {
+                     float *g, const float *next) {
     const int64_t H = d->H, K = d->K, C = H * K, W = d->W, hist = C * (W - 1);
     const int64_t c0 = h * K;
     conv_silu(l->pool_conv_q + slot * hist, l->conv_q, u, q, c0, K, W);
@@ -233,6 +236,8 @@ static void kda_head(const Dims *d, const Layer *l, const float *u, const float 
     for (int64_t i = 0; i < K; i++) {
         float *row = S + i * K;
         const float ki = k[i], qi = q[i];
+        if (next)
+            for (int64_t j = 0; j < K; j += 16) __builtin_prefetch(next + i * K + j, 0, 2);
         for (int64_t j = 0; j < K; j++) row[j] += ki * kS[j], oh[j] += qi * row[j];
     }
     float ss = 0.0f;
@@ -256,9 +261,10 @@ static void kda(const Dims *d, const Layer *l, Scratch *s, int64_t B, const int6
 #pragma omp barrier
     float q[512], k[512], v[512], g[512];
     for (int64_t p = t; p < B * H; p += nt) {
-        const int64_t b = p / H, h = p % H;
+        const int64_t b = p / H, h = p % H, pn = p + nt;
+        const float *next = pn < B * H ? l->pool_rec + (slots[pn / H] * H + pn % H) * K * K : NULL;
         kda_head(d, l, u + b * big, z + b * big, braw + b * big, gate + b * big, o + b * big, slots[b], h,
-                 q, k, v, g);
+                 q, k, v, g, next);
     }
 #pragma omp barrier
     Job jo = job(l->wo, D, C, o, big, B, s->y, D);
