@@ -320,10 +320,12 @@ static void mla_heads(const Dims *d, const Layer *l, const float *q, float *ql_r
     }
     const float *qs[MLA_GROUP]; /* heads past G repeat the first (their sums are dropped) */
     for (int g = 0; g < MLA_GROUP; g++) qs[g] = ql[g < G ? g : 0];
-    for (int64_t s = 0; s < S; s += 2) { /* two latents per pass (an odd last one twice) */
-        const float *lat[2] = {latent_row(d, l, table, s), latent_row(d, l, table, s + 1 < S ? s + 1 : s)};
-        const float *next[2] = {s + 2 < S ? latent_row(d, l, table, s + 2) : NULL,
-                                s + 3 < S ? latent_row(d, l, table, s + 3) : NULL};
+    /* two latents per pass (an odd last one twice); each pass's `next` is the following pass's pair */
+    const float *next[2] = {latent_row(d, l, table, 0), S > 1 ? latent_row(d, l, table, 1) : NULL};
+    for (int64_t s = 0; s < S; s += 2) {
+        const float *lat[2] = {next[0], next[1] ? next[1] : next[0]};
+        next[0] = s + 2 < S ? latent_row(d, l, table, s + 2) : NULL;
+        next[1] = s + 3 < S ? latent_row(d, l, table, s + 3) : NULL;
         float x[2 * MLA_GROUP];
         mla_scores2(lat, next, qs, RD, x);
         for (int64_t e = 0; e < 2 && s + e < S; e++)

@@ -63,18 +63,10 @@ static inline lanes16 hsum16x16(const lanes16 v[16]) {
     return __builtin_shuffle(c[0], c[1], even) + __builtin_shuffle(c[0], c[1], odd);
 }
 
-static inline float dot(const float *restrict a, const float *restrict b, int64_t n) {
-    lanes16 acc = {0};
-    int64_t i = 0;
-    for (; i + 16 <= n; i += 16) acc += load16(a + i) * load16(b + i);
-    float s = hsum16(acc);
-    for (; i < n; i++) s += a[i] * b[i];
-    return s;
-}
-
-/* `dot` (the same sums in the same order) that prefetches GEMV_PREFETCH_BYTES past each cache line of `w`
- * it reads: at batch 1 the rows are read one after another, so this runs the prefetch one stream ahead */
-static inline float dot_ahead(const float *restrict w, const float *restrict x, int64_t n) {
+/* w . x: one 16-lane accumulation over i, hsum16, then the scalar tail (every product path sums a row
+ * this way, so a result does not depend on the path). Prefetches GEMV_PREFETCH_BYTES past each cache
+ * line of `w` it reads: at batch 1 the rows are read one after another, so this runs one stream ahead */
+static inline float dot(const float *restrict w, const float *restrict x, int64_t n) {
     lanes16 acc = {0};
     int64_t i = 0;
     for (; i + 16 <= n; i += 16) {
@@ -91,7 +83,7 @@ static void gemv_rows(const float *restrict W, int64_t I, const float *restrict 
                       float *restrict Y, int64_t ldy, int64_t o0, int64_t o1) {
     int64_t o = o0;
     if (B == 1) { /* one row after another: a single sequential stream per thread */
-        for (; o < o1; o++) Y[o] = dot_ahead(W + o * I, X, I);
+        for (; o < o1; o++) Y[o] = dot(W + o * I, X, I);
         return;
     }
     /* four weight rows x four inputs per pass: 16 accumulators, 8 loads per 16 FMAs (one row at a time
