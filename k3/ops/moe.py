@@ -222,10 +222,9 @@ def experts_native(z, weights, indices, w1, w2, w3, act: GLUFn) -> torch.Tensor 
     the inputs do not fit the kernel (see `_experts_kernel`; the caller then takes a torch path).
 
     The slots are sorted by expert as in `experts_grouped`; then one C call (`k3/ops/csrc/moe_experts.c`)
-    runs every active expert from gather to weighted scatter-add: its rows gathered, gate and up products,
-    the GLU in place, the down product and the fp32 accumulation; an expert with >= 16 slots runs its
-    products transposed on the kernel's own small-matrix routine, fewer slots on torch's own BLAS
-    `sgemm_`. Saves the per-expert torch dispatch and the [T·k, I] round trips through memory."""
+    runs every active expert from gather to weighted scatter-add: its rows gathered, gate and up products
+    (torch's own BLAS `sgemm_`), the GLU in place, the down product and the fp32 accumulation. Saves the
+    per-expert torch dispatch and the [T·k, I] round trips through memory."""
     _check_experts(z, weights, indices, w1, w2, w3)
     found = _experts_kernel(z, weights, w1, w2, w3, act)
     if found is None:
@@ -241,10 +240,10 @@ def experts_native(z, weights, indices, w1, w2, w3, act: GLUFn) -> torch.Tensor 
     token_of_slot = (order // k).contiguous()
     slot_weight = weights.reshape(-1)[order].float().contiguous()
     zc = z.contiguous()
-    # the kernel's scratch contract: per thread round_up(max c, 16) * 2 (Dl + I), then a [T, Dl] partial
-    # sum per thread but the first; one thread per 16 slots at most (fewer slots: a thread would idle)
+    # the kernel's scratch contract: per thread max(c) * (Dl + 2 I), then a [T, Dl] partial sum per thread
+    # but the first; one thread per 16 slots at most (fewer slots: a thread would idle)
     threads = max(1, min(torch.get_num_threads(), T * k // 16))
-    per_thread = -(-int(counts.max()) // 16) * 16 * 2 * (Dl + I)
+    per_thread = int(counts.max()) * (Dl + 2 * I)
     scratch = z.new_empty(threads * per_thread + (threads - 1) * T * Dl)
     out = torch.zeros(T, Dl, dtype=torch.float32)
     ptrs = [t.data_ptr() for t in (zc, token_of_slot, slot_weight, counts)]

@@ -32,9 +32,10 @@ FLAGS = (
     "-shared", "-fPIC", "-std=c11",
 )  # fmt: skip
 # kernels that run a thread team (OpenMP: the runtime torch itself loads, so one pool of threads)
-EXTRA_FLAGS = {
-    name: ("-fopenmp",) for name in ("decode_step", "moe_experts", "mla_stream", "kda_pointwise", "omp_pool")
-}
+_TEAM_KERNELS = (
+    "decode_step", "moe_experts", "mla_stream", "kda_pointwise", "omp_pool", "rms_norm", "attn_res",
+)  # fmt: skip
+EXTRA_FLAGS = {name: ("-fopenmp",) for name in _TEAM_KERNELS}
 _lock = threading.Lock()
 _libs: dict[str, ctypes.CDLL | None] = {}
 

@@ -64,7 +64,7 @@ def test_streamed_no_grad_equals_reference():
 @pytest.mark.parametrize(("n", "shape"), [(2, (1, 7, 13)), (5, (2, 300, 256)), (9, (3, 64))])
 def test_native_matches_reference_without_autograd(n, shape):
     """The one-pass C kernel (fp32, no autograd: the inference path) == the per-source reference; D not a
-    multiple of 8, large-magnitude rows (the RMS key norm matters), uneven scores."""
+    multiple of 8, large-magnitude rows (the RMS key norm matters), uneven scores; on 1 and 3 threads."""
     if native.library("attn_res") is None:
         pytest.skip("no C compiler: the native kernel cannot be built")
     g = torch.Generator().manual_seed(1)
@@ -77,6 +77,13 @@ def test_native_matches_reference_without_autograd(n, shape):
         ref = attn_res_naive([s.double() for s in srcs], q.double(), w.double())
         torch.testing.assert_close(got, ref.float(), rtol=1e-5, atol=1e-5 * ref.abs().max().item())
         torch.testing.assert_close(attn_res(srcs, q, w), got)  # the fast path takes it
+        before = torch.get_num_threads()
+        try:  # large calls split their rows over the threads: the same bits on any team
+            for threads in (1, 3):
+                torch.set_num_threads(threads)
+                assert torch.equal(attn_res_native(srcs, qk, attnres.ATTN_RES_EPS), got)
+        finally:
+            torch.set_num_threads(before)
         # declined (None): autograd, float64, strided sources, too many sources
         assert attn_res_native([s.double() for s in srcs], qk.double(), 1e-5) is None
         assert attn_res_native([srcs[0].mT.contiguous().mT, *srcs[1:]], qk, 1e-5) is None

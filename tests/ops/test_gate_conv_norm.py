@@ -1,4 +1,4 @@
-"""KDA gate, short conv (fast paths vs the loop reference, forward and backward) and gated RMSNorm."""
+"""KDA gate, short conv (fast paths vs the loop reference, forward and backward), RMSNorm, gated RMSNorm."""
 
 import math
 
@@ -8,7 +8,8 @@ import torch.nn.functional as F
 
 from k3.ops.conv import causal_conv1d, causal_conv1d_ref, causal_conv1d_update
 from k3.ops.gate import kda_gate
-from k3.ops.gated_norm import gated_rms_norm
+from k3.ops.gated_norm import gated_rms_norm, gated_rms_norm_reference
+from k3.ops.norm import rms_norm, rms_norm_reference
 
 
 def assert_close(name: str, ref: torch.Tensor, got: torch.Tensor, rtol: float) -> None:
@@ -176,6 +177,52 @@ def test_gated_rms_norm_normalize_then_gate():
     assert_close("bf16", y, yb, 1e-2)
     with pytest.raises(ValueError, match="weight"):
         gated_rms_norm(o, gate, torch.ones(4), 1e-5)
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize("shape", [(3, 5, 20), (70, 3, 300), (2, 4, 2, 128)], ids=lambda v: str(v))
+def test_native_norms_equal_the_references(shape, threads):
+    """Without autograd on fp32 both norms run as one native pass per row (k3/ops/csrc/rms_norm.c): each
+    equals its torch reference to fp32 rounding, for rows not a multiple of 8, calls large enough to split
+    their rows over a team (the same bits on 1 and 3 threads), no weight, a strided input, and large or
+    tiny magnitudes; with autograd they are the reference, gradients included."""
+    from k3.ops import native
+
+    if native.library("rms_norm") is None:
+        pytest.skip("no C compiler: the native kernels cannot be built")
+    g = torch.Generator().manual_seed(0)
+    D = shape[-1]
+    x = torch.randn(*shape, generator=g) * torch.logspace(-3, 3, shape[0]).view(-1, *[1] * (len(shape) - 1))
+    gate, w = torch.randn(*shape, generator=g) * 6, torch.rand(D, generator=g) + 0.5
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with torch.no_grad():
+            got = [rms_norm(x, w, 1e-5), rms_norm(x, None, 1e-6), gated_rms_norm(x, gate, w, 1e-5)]
+            want = [rms_norm_reference(x, w, 1e-5), rms_norm_reference(x, None, 1e-6)]
+            want.append(gated_rms_norm_reference(x, gate, w, 1e-5))
+            strided = rms_norm(x.transpose(0, 1), w, 1e-5)
+    finally:
+        torch.set_num_threads(before)
+    for name, a, b in zip(("rms", "rms, no weight", "gated"), got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=2e-6, atol=1e-6 * b.abs().max().item(), msg=name)
+    torch.testing.assert_close(strided, rms_norm_reference(x.transpose(0, 1), w, 1e-5), rtol=2e-6, atol=1e-5)
+    if threads == 3:  # the rows are independent: a team gives the one-thread bits
+        torch.set_num_threads(1)
+        try:
+            with torch.no_grad():
+                assert torch.equal(rms_norm(x, w, 1e-5), got[0])
+                assert torch.equal(gated_rms_norm(x, gate, w, 1e-5), got[2])
+        finally:
+            torch.set_num_threads(before)
+    xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
+    for fast, ref in ((lambda a, b: rms_norm(a, b, 1e-5), lambda a, b: rms_norm_reference(a, b, 1e-5)),
+                      (lambda a, b: gated_rms_norm(a, gate, b, 1e-5),
+                       lambda a, b: gated_rms_norm_reference(a, gate, b, 1e-5))):  # fmt: skip
+        ga = torch.autograd.grad(fast(xg, wg).square().sum(), [xg, wg])
+        gb = torch.autograd.grad(ref(xg, wg).square().sum(), [xg, wg])
+        for a, b in zip(ga, gb, strict=True):
+            assert torch.equal(a, b)
 
 
 # ---- native passes (k3/ops/csrc/kda_pointwise.c) --------------------------------------------------------

@@ -139,11 +139,9 @@ def _native_or_skip():
 @pytest.mark.parametrize("threads", [1, 3])
 def test_native_experts_match_naive(act, T, k, skew, Dl, I, threads):
     """One C call per layer (gather, products, GLU, weighted scatter-add) == the reference, for SiTU with
-    the release betas and others, SwiGLU, decode, uneven loads and experts without tokens; with dims that
-    are multiples of 16, experts with >= 16 slots run transposed on the panel products (T = 64, the
-    skewed loads, and T = 160, whose ~40 slots an expert fill 32-column tiles and a 16-column tail),
-    the others on sgemm, in the same call; on one thread and on a team of three, each
-    with its share of the experts and its own partial sums."""
+    the release betas and others, SwiGLU, decode, uneven loads and experts without tokens, dims that are
+    and are not multiples of 16; on one thread and on a team of three, each with its share of the
+    experts and its own partial sums."""
     _native_or_skip()
     fn = {"situ": situ_glu, "situ-b8": glu_fn("situ", 8.0, 10.0), "silu": swiglu}[act]
     z, weights, idx, w = _case(T, k, E=8, I=I, Dl=Dl, skew=skew)

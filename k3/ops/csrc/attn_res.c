@@ -5,7 +5,9 @@
  *   s_i   = (v_i . qk) / sqrt(mean(v_i^2) + eps)
  *   a     = softmax_i(s)
  *   out_t = sum_i a_i v_i
- * The dot products and squares accumulate in fp32 in 8 lanes, then across them.
+ * The dot products and squares accumulate in fp32 in 8 lanes, then across them. Rows are split over
+ * torch's threads (OpenMP) when there are many (a prefill's [T, D] sources; the rows are independent, so
+ * the result does not depend on the team's size).
  */
 #include <math.h>
 #include <stdint.h>
@@ -13,6 +15,8 @@
 #include "lanes.h"
 
 #define MAX_SOURCES 64 /* k3.ops.attnres.NATIVE_MAX_SOURCES */
+/* source elements from which a call splits its rows over the threads; fewer: one thread, no team to wake */
+#define MIN_PARALLEL_ELEMENTS (1 << 16)
 
 static inline void dot_and_square(const float *restrict v, const float *restrict qk, int64_t D, float *dot,
                                   float *sq) {
@@ -35,6 +39,7 @@ static inline void dot_and_square(const float *restrict v, const float *restrict
 /* n in [1, MAX_SOURCES] (the caller checks). */
 void k3_attn_res(const int64_t *sources, int64_t n, int64_t rows, int64_t D, const float *qk, float eps,
                  float *out) {
+#pragma omp parallel for schedule(static) if (n * rows * D >= MIN_PARALLEL_ELEMENTS)
     for (int64_t t = 0; t < rows; t++) {
         float score[MAX_SOURCES], top = -INFINITY;
         for (int64_t i = 0; i < n; i++) {

@@ -10,8 +10,7 @@
  *
  * Every n must be a multiple of 16 (the callers check); any m and k. `gemm_nn_panels` is the same product
  * for operands that outgrow L1 (kept in L2): it walks B in 64 x 64 panels (16 KB) that stay in L1 while
- * every row block of A passes over them; `gemm_nn_stream` is for an A read from memory once (the
- * routed experts' weights). Used by kda_fused.c, mla_stream.c and moe_experts.c.
+ * every row block of A passes over them. Used by kda_fused.c and mla_stream.c.
  */
 #ifndef K3_SMALL_GEMM_H
 #define K3_SMALL_GEMM_H
@@ -87,18 +86,6 @@ static inline void gemm_nn_lower(int64_t m, int64_t n, const float *A, int64_t l
     for (int64_t i = 0; i < m; i += 6) {
         const int R = m - i < 6 ? (int)(m - i) : 6;
         rows_x16(R, n, i + R, A + i * lda, lda, B, ldb, C + i * ldc, ldc, mode);
-    }
-}
-
-/* gemm_nn for an A streamed from memory (a weight matrix read once): each row block is read whole,
- * row after row, while the next one is prefetched; B (the small operand) stays in L1 / L2 */
-static inline void gemm_nn_stream(int64_t m, int64_t n, int64_t k, const float *A, int64_t lda, const float *B,
-                                  int64_t ldb, float *C, int64_t ldc, int mode) {
-    for (int64_t i = 0; i < m; i += 6) {
-        const int R = m - i < 6 ? (int)(m - i) : 6;
-        for (int64_t r = i + 6; r < i + 12 && r < m; r++)
-            for (int64_t p = 0; p < k; p += 16) __builtin_prefetch(A + r * lda + p, 0, 3);
-        rows_x16(R, n, k, A + i * lda, lda, B, ldb, C + i * ldc, ldc, mode);
     }
 }
 
