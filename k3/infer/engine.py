@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from k3.infer import heap
 from k3.infer.config import EngineConfig
 from k3.infer.media import check_media
 from k3.infer.model_runner import ModelRunner
@@ -57,6 +58,8 @@ class Engine:
         self.config = config or EngineConfig()
         self.model, self.tokenizer = model.eval(), tokenizer
         head_for_gemv(model)
+        if self.config.keep_freed_memory:
+            heap.keep_freed_memory()
         self.eos_token_id = (
             eos_token_id
             if eos_token_id is not None
