@@ -40,9 +40,9 @@ static void scatter_add(float *out, const int64_t *tok, const float *weight, con
 }
 
 /* one expert on BLAS products */
-static void expert(sgemm_fn sgemm, const float *z, const int64_t *tok, const float *weight, int64_t c,
-                        int64_t Dl, int64_t I, const float *w1, const float *w3, const float *w2, float *scratch,
-                        float *out, int64_t act, float beta1, float beta2) {
+static void expert(sgemm_fn sgemm, const float *z, const int64_t *tok, const float *weight, int64_t c, int64_t Dl,
+                   int64_t I, const float *w1, const float *w3, const float *w2, float *scratch, float *out,
+                   int64_t act, float beta1, float beta2) {
     float *x = scratch, *g = x + c * Dl, *u = g + c * I;
     for (int64_t r = 0; r < c; r++) memcpy(x + r * Dl, z + tok[r] * Dl, (size_t)Dl * sizeof(float));
     gemm_abt(sgemm, x, (int)Dl, w1, (int)Dl, g, (int)I, (int)c, (int)I, (int)Dl, 0.0f);
