@@ -3,7 +3,8 @@
 `rms_norm_reference` is the plain torch form; `rms_norm` the fast path with the same signature and
 result (to fp32 rounding): without autograd on fp32 CPU tensors one native pass per row
 (`k3/ops/csrc/rms_norm.c`), else the reference. The torch form's five passes over an [N, D] activation
-each run from memory once it outgrows L2 (k3-small prefill, [2048, 1024]: ~2 ms per norm against ~0.3).
+each run from memory once it outgrows L2 (k3-small prefill, [2048, 1024] on 2 threads: 1.56 ms a norm
+against 0.45).
 """
 
 import torch
