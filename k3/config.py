@@ -7,18 +7,20 @@ multimodal config (top level `model_type: "kimi_k3"` with a `text_config`) or a 
 wrapper's `vision_config`, `auto_map`, ...) is kept verbatim in `extra` / `wrapper` so the official file
 round-trips exactly.
 
-Ablation switches that the release does not have (SPEC §4; the K2-style counterparts used by
+Ablation switches that the release does not have (docs/spec_training.md; the K2-style counterparts used by
 `k3 ablate`) are k3 extension keys. They are written by `to_hf()` only when they differ from the K3
 default, so an official config stays byte-for-byte official:
 
-    use_attn_res      True: Block AttnRes (SPEC §3.3); False: plain pre-norm residual stream
-    use_latent_moe    True: Stable LatentMoE (SPEC §3.7); False: plain MoE, experts at full width
-    bias_update       "quantile": Quantile Balancing (SPEC §4.1); "sign": DeepSeek-V3 aux-free sign update
+    use_attn_res      True: Block AttnRes (docs/spec.md#attnres); False: plain pre-norm residual stream
+    use_latent_moe    True: Stable LatentMoE (docs/spec.md#latentmoe); False: plain MoE, experts at full width
+    bias_update       "quantile": Quantile Balancing (docs/spec_training.md#quantile-balancing);
+                      "sign": DeepSeek-V3 aux-free sign update
     bias_update_rate  step size of the sign update (ignored by Quantile Balancing)
     rope_theta        RoPE base, used only when mla_use_nope is False (K2-style RoPE MLA)
-    mla_latent_norm_eps  eps of q_a/kv_a latent norms; SPEC §8.2 conflict -> we follow vLLM (rms_norm_eps)
+    mla_latent_norm_eps  eps of q_a/kv_a latent norms; sources differ (docs/spec.md#choices): we follow
+                      vLLM (rms_norm_eps)
 
-`hidden_act` selects the GLU: "situ" (K3's SiTU-GLU, SPEC §3.6) or "silu" (SwiGLU).
+`hidden_act` selects the GLU: "situ" (K3's SiTU-GLU, docs/spec.md#situ-glu) or "silu" (SwiGLU).
 
 Release layout. `to_hf()` always writes the released three-level file: the wrapper
 (`architectures: ["KimiK3ForConditionalGeneration"]`, `model_type: "kimi_k3"`, token ids, dtype) around
@@ -49,6 +51,7 @@ WRAPPER_ARCHITECTURE = "KimiK3ForConditionalGeneration"
 WRAPPER_MODEL_TYPE = "kimi_k3"
 TEXT_ARCHITECTURE = "KimiLinearForCausalLM"
 MX_BLOCK = 32  # elements per MX block scale (OCP MX v1.0)
+IMAGE_PLACEHOLDER = "<|kimi_image_placeholder|>"  # the wrapper's `image_placeholder`: plain text, not a token
 
 _ACTS = ("situ", "silu")
 _BIAS_UPDATES = ("quantile", "sign")
@@ -131,7 +134,7 @@ class LinearAttnConfig:
 
 @dataclass(frozen=True)
 class K3Config:
-    """The K3 text model. Field names are the official `text_config` keys (SPEC §1.1)."""
+    """The K3 text model. Field names are the official `text_config` keys (docs/spec.md#config)."""
 
     # trunk
     vocab_size: int
@@ -194,6 +197,16 @@ class K3Config:
     wrapper: dict | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
+        """Reject what no K3 engine can run, one named check per concern (the first failure raises)."""
+        self._check_sizes()
+        self._check_mla()
+        self._check_moe()
+        self._check_trunk()
+        self._check_kda()
+        self._check_mxfp4()
+
+    def _check_sizes(self) -> None:
+        """Widths, counts and lengths are positive integers (qk_rope_head_dim may be 0, q_lora_rank null)."""
         for key in (
             "vocab_size",
             "hidden_size",
@@ -218,11 +231,16 @@ class K3Config:
         )
         if self.q_lora_rank is not None:
             _positive_int(self.q_lora_rank, "q_lora_rank")
+
+    def _check_mla(self) -> None:
         _check(
             self.num_key_value_heads == self.num_attention_heads,
             "num_key_value_heads",
             "MLA uses one latent shared by all heads; must equal num_attention_heads",
         )
+
+    def _check_moe(self) -> None:
+        """The GLU, the sigmoid router, top-k, shared experts, dense layers, the bias update, grouping."""
         _check(self.hidden_act in _ACTS, "hidden_act", f"must be one of {_ACTS}, got {self.hidden_act!r}")
         _check(
             self.moe_router_activation_func == "sigmoid",
@@ -246,12 +264,6 @@ class K3Config:
             "must be in [0, num_hidden_layers]",
         )
         _check(
-            isinstance(self.attn_res_block_size, int) and self.attn_res_block_size > 0,
-            "attn_res_block_size",
-            f"must be a positive integer, got {self.attn_res_block_size!r}",
-        )
-        _check(self.rms_norm_eps > 0, "rms_norm_eps", f"must be > 0, got {self.rms_norm_eps!r}")
-        _check(
             self.bias_update in _BIAS_UPDATES,
             "bias_update",
             f"must be one of {_BIAS_UPDATES}, got {self.bias_update!r}",
@@ -263,11 +275,23 @@ class K3Config:
             "num_expert_group",
             "must divide num_experts",
         )
+
+    def _check_trunk(self) -> None:
+        """AttnRes block size, the norm epsilon, embedding tying."""
+        _check(
+            isinstance(self.attn_res_block_size, int) and self.attn_res_block_size > 0,
+            "attn_res_block_size",
+            f"must be a positive integer, got {self.attn_res_block_size!r}",
+        )
+        _check(self.rms_norm_eps > 0, "rms_norm_eps", f"must be > 0, got {self.rms_norm_eps!r}")
         _check(
             self.tie_word_embeddings is False or isinstance(self.tie_word_embeddings, bool),
             "tie_word_embeddings",
             "must be a boolean",
         )
+
+    def _check_kda(self) -> None:
+        """The KDA layer pattern covers every layer once; KDA and MLA share one head count."""
         self.linear_attn_config.validate(self.num_hidden_layers)
         _check(
             self.linear_attn_config.num_heads == self.num_attention_heads,
@@ -275,12 +299,16 @@ class K3Config:
             f"KDA heads ({self.linear_attn_config.num_heads}) must equal the MLA heads "
             f"(num_attention_heads={self.num_attention_heads}): K3 engines size both from one head count",
         )
-        if _is_mxfp4(self.quantization_config):
-            for key, width in (
-                ("moe_intermediate_size", self.moe_intermediate_size),
-                ("routed_expert_hidden_size", self.expert_width),
-            ):
-                _check(width % MX_BLOCK == 0, key, f"MXFP4 experts need multiples of {MX_BLOCK}, got {width}")
+
+    def _check_mxfp4(self) -> None:
+        """MXFP4 experts need widths in whole 32-element blocks."""
+        if not _is_mxfp4(self.quantization_config):
+            return
+        for key, width in (
+            ("moe_intermediate_size", self.moe_intermediate_size),
+            ("routed_expert_hidden_size", self.expert_width),
+        ):
+            _check(width % MX_BLOCK == 0, key, f"MXFP4 experts need multiples of {MX_BLOCK}, got {width}")
 
     # ---- release format ------------------------------------------------------------------------
     def release_problems(self) -> list[str]:
@@ -313,7 +341,7 @@ class K3Config:
 
     # ---- layer pattern -------------------------------------------------------------------------
     def is_kda_layer(self, i: int) -> bool:
-        """0-indexed layer i is KDA iff (i+1) is in the 1-indexed `kda_layers` (SPEC §1.1)."""
+        """0-indexed layer i is KDA iff (i+1) is in the 1-indexed `kda_layers` (docs/spec.md#config)."""
         return (i + 1) in self.linear_attn_config.kda_layers
 
     def is_moe_layer(self, i: int) -> bool:
@@ -366,7 +394,7 @@ class K3Config:
             raise ValueError(f"bad config: {e}") from e
 
     def to_hf(self, text_only: bool = False) -> dict:
-        """The config.json dict in the release layout (the wrapper around `text_config`, SPEC §1.1);
+        """The config.json dict in the release layout (the wrapper around `text_config`, docs/spec.md#config);
         `text_only` gives the bare `text_config`."""
         defaults = {f.name: f.default for f in dataclasses.fields(K3Config)}
         ext = (
@@ -406,8 +434,9 @@ class K3Config:
             "architectures": [WRAPPER_ARCHITECTURE],
             "model_type": WRAPPER_MODEL_TYPE,
             "ignore_index": -100,
-            "media_placeholder_token_id": self.vocab_size - 256 + 21,  # <|media_pad|> (SPEC §6.1)
-            "image_placeholder": "<|kimi_image_placeholder|>",
+            # <|media_pad|> (docs/spec_text.md#tokenizer)
+            "media_placeholder_token_id": self.vocab_size - 256 + 21,
+            "image_placeholder": IMAGE_PLACEHOLDER,
         }
 
     def save(self, path: str | Path) -> None:
@@ -451,148 +480,20 @@ def layer_pattern(num_layers: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
     return tuple(full), kda
 
 
-def _small_preset(
-    *,
-    vocab: int,
-    d: int,
-    layers: int,
-    kda_heads: int,
-    kda_dim: int,
-    mla_heads: int,
-    q_lora: int,
-    kv_lora: int,
-    nope: int,
-    rope: int,
-    v: int,
-    experts: int,
-    topk: int,
-    shared: int,
-    moe_inter: int,
-    latent: int,
-    dense_inter: int,
-    block: int,
-) -> K3Config:
-    full, kda = layer_pattern(layers)
-    la = LinearAttnConfig(num_heads=kda_heads, head_dim=kda_dim, full_attn_layers=full, kda_layers=kda)
-    base = vocab - 256  # the 256 reserved ids sit at the top of the vocab, as in the release (SPEC §6.1)
-    return K3Config(
-        vocab_size=vocab,
-        hidden_size=d,
-        num_hidden_layers=layers,
-        linear_attn_config=la,
-        num_attention_heads=mla_heads,
-        num_key_value_heads=mla_heads,
-        q_lora_rank=q_lora,
-        kv_lora_rank=kv_lora,
-        qk_nope_head_dim=nope,
-        qk_rope_head_dim=rope,
-        v_head_dim=v,
-        attn_res_block_size=block,
-        num_experts=experts,
-        num_experts_per_token=topk,
-        num_shared_experts=shared,
-        moe_intermediate_size=moe_inter,
-        routed_expert_hidden_size=latent,
-        intermediate_size=dense_inter,
-        bos_token_id=base,
-        eos_token_id=base + 2,
-        pad_token_id=base + 255,
-        max_position_embeddings=1048576,
-        dtype="float32",
-    )
-
-
 def preset(name: str) -> K3Config:
-    """A named configuration: k3-nano (tests), k3-mini (the 10-minute CPU demo), k3-tiny (a bigger CPU
-    model), k3-small (one GPU), k3-full (release)."""
-    if name == "k3-full":
-        return K3Config.load(PRESET_DIR / "k3-full.json")
-    if name == "k3-nano":  # < 2M parameters: unit tests; 1024 ids leave room for 512 BPE merges
-        return _small_preset(
-            vocab=1024,
-            d=64,
-            layers=4,
-            kda_heads=2,
-            kda_dim=32,
-            mla_heads=2,
-            q_lora=48,
-            kv_lora=32,
-            nope=16,
-            rope=8,
-            v=16,
-            experts=8,
-            topk=2,
-            shared=1,
-            moe_inter=32,
-            latent=32,
-            dense_inter=128,
-            block=2,
-        )
-    if name == "k3-mini":  # ~4.5M parameters: what 10 minutes on 2 CPU cores train best (docs/training.md)
-        return _small_preset(
-            vocab=8192,
-            d=160,
-            layers=4,
-            kda_heads=2,
-            kda_dim=64,
-            mla_heads=2,
-            q_lora=96,
-            kv_lora=64,
-            nope=64,
-            rope=16,
-            v=64,
-            experts=8,
-            topk=2,
-            shared=1,
-            moe_inter=128,
-            latent=96,
-            dense_inter=512,
-            block=2,
-        )
-    if name == "k3-tiny":  # ~30M parameters: a bigger CPU model
-        return _small_preset(
-            vocab=8192,
-            d=256,
-            layers=8,
-            kda_heads=4,
-            kda_dim=64,
-            mla_heads=4,
-            q_lora=192,
-            kv_lora=128,
-            nope=64,
-            rope=32,
-            v=64,
-            experts=32,
-            topk=4,
-            shared=1,
-            moe_inter=256,
-            latent=128,
-            dense_inter=1024,
-            block=4,
-        )
-    if name == "k3-small":  # ~0.5B parameters: a GPU user's first run
-        # MLA at the release's head dims (latent 512 + 64): vLLM's K3 MLA kernels take only those
-        return _small_preset(
-            vocab=32768,
-            d=1024,
-            layers=16,
-            kda_heads=8,
-            kda_dim=128,
-            mla_heads=8,
-            q_lora=512,
-            kv_lora=512,
-            nope=128,
-            rope=64,
-            v=128,
-            experts=32,
-            topk=4,
-            shared=1,
-            moe_inter=448,
-            latent=512,
-            dense_inter=4096,
-            block=4,
-        )
-    raise ValueError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)} or a config.json path")
+    """A named configuration, read from `k3/presets/NAME.json` (package data):
+
+    k3-nano   < 2M parameters: unit tests (1024 ids leave room for 512 BPE merges)
+    k3-mini   ~4.5M: what 10 minutes on 2 CPU cores train best (docs/training.md)
+    k3-tiny   ~30M: a bigger CPU model
+    k3-small  ~0.5B: a GPU user's first run; MLA at the release's head dims (vLLM's K3 kernels need them)
+    k3-full   the release (its config.json verbatim, with the multimodal wrapper)
+
+    The small presets are bare `text_config` files in the preset layer pattern (`layer_pattern`), with the
+    256 reserved ids at the top of the vocab as in the release (docs/spec_text.md#tokenizer)."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)} or a config.json path")
+    return K3Config.from_hf(json.loads((PRESET_DIR / f"{name}.json").read_text()))
 
 
 def load_config(name_or_path: str) -> K3Config:

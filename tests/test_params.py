@@ -1,11 +1,13 @@
-"""Parameter counting: the analytic contract == the real model (meta device), SPEC §7.2 for k3-full."""
+"""Parameter counting: the analytic contract == the real model (meta device), docs/spec.md#parameter-counts
+for k3-full."""
 
 import dataclasses
+import json
 import math
 
 import pytest
 
-from k3.config import PRESETS, preset
+from k3.config import PRESET_DIR, PRESETS, K3Config, preset
 from k3.params import (
     COMPONENTS,
     component_of,
@@ -73,7 +75,8 @@ def test_full_matches_spec_totals(full_shapes):
 
 
 def test_full_matches_spec_components():
-    """SPEC §7.2 rows, from one layer of each kind (A_log counted as its 96 per-head values)."""
+    """docs/spec.md#parameter-counts rows, from one layer of each kind (A_log counted as its 96 per-head
+    values)."""
     c = preset("k3-full")
     shapes = expected_shapes(c)
 
@@ -128,3 +131,24 @@ def test_table_is_readable(full_shapes):
     assert "428.6 MiB" in text and "13,824 elements" in text
     rows = [line for line in text.splitlines() if line.startswith(("embedding", "routed_experts", "total"))]
     assert len({len(line) for line in rows}) == 1  # aligned columns
+
+
+def test_every_preset_is_one_json_file_read_by_one_loader():
+    """k3/presets/ holds exactly the PRESETS, and preset() gives what K3Config.from_hf makes of each file."""
+    assert sorted(p.stem for p in PRESET_DIR.glob("*.json")) == sorted(PRESETS)
+    for name in PRESETS:
+        config = K3Config.from_hf(json.loads((PRESET_DIR / f"{name}.json").read_text()))
+        assert preset(name) == config and preset(name).to_hf() == config.to_hf()
+    with pytest.raises(ValueError, match="unknown preset 'k3-huge'"):
+        preset("k3-huge")
+
+
+def test_small_presets_round_trip_as_text_configs():
+    """A small preset file is its config's text_config (no wrapper, nothing kept verbatim on the side)."""
+    for name in PRESETS:
+        c = preset(name)
+        if name != "k3-full":
+            assert c.wrapper is None and c.extra == {}
+            text = c.to_hf(text_only=True)
+            del text["architectures"]
+            assert json.loads((PRESET_DIR / f"{name}.json").read_text()) == text
