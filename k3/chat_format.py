@@ -1,4 +1,5 @@
-"""K3's XTML chat format (SPEC §6.2): render OpenAI-style messages to token ids, parse generations back.
+"""K3's XTML chat format (docs/spec_text.md#chat-format): render OpenAI-style messages to token ids, parse
+generations back.
 
 Grammar (no whitespace between elements; markers are the reserved tokens <|open|> <|close|> <|sep|>):
 
@@ -19,9 +20,9 @@ tools mid-conversation. The generation prompt opens an assistant message and its
 or `response` channel.
 
 Fidelity. The fixed sentences, the key sorting and the segment boundaries are the release renderer's
-(`encoding_k3.py`, SPEC §6.2): each piece below -- a marker, a tag name, ' key', '="', a value, '"', a
-text part, an image placeholder -- is encoded on its own, as the release encodes its segments, so BPE
-never merges across them. `k3/chat_template.jinja` (:func:`chat_template`, shipped in
+(`encoding_k3.py`, docs/spec_text.md#chat-format): each piece below -- a marker, a tag name, ' key', '="', a
+value, '"', a text part, an image placeholder -- is encoded on its own, as the release encodes its segments,
+so BPE never merges across them. `k3/chat_template.jinja` (:func:`chat_template`, shipped in
 tokenizer_config.json) renders the same text for HF / llama.cpp; a template's output is tokenized as
 one string, so it can merge across those boundaries where an attribute value starts or ends with
 punctuation or whitespace.
@@ -34,8 +35,8 @@ markers (`K3Tokenizer.encode(allow_special=False)`).
 Images: with an `images` list passed to `render`, a user message's OpenAI `image_url` (or `image`)
 content part becomes the plain text `<|kimi_image_placeholder|>` at its place among the text parts, and
 its URL is appended to `images`; the model side expands each placeholder into the media tokens
-(`k3.vision.media`, SPEC §5.4). A literal placeholder anywhere in the message text is refused
-(ValueError), so text cannot claim an image slot. Without `images`, image parts raise ValueError.
+(`k3.vision.media`, docs/spec_vision.md#placement). A literal placeholder anywhere in the message text is
+refused (ValueError), so text cannot claim an image slot. Without `images`, image parts raise ValueError.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ import re
 from dataclasses import dataclass
 from importlib import resources
 
-from k3.vision.config import IMAGE_PLACEHOLDER
+from k3.config import IMAGE_PLACEHOLDER
 
 OPEN, CLOSE, SEP, END = "<|open|>", "<|close|>", "<|sep|>", "<|end_of_msg|>"
 MARKERS = (OPEN, CLOSE, SEP, END)
@@ -85,8 +86,9 @@ def chat_template() -> str:
 
 @dataclass
 class ChatOptions:
-    """thinking / thinking_effort ("none" turns thinking off) / preserve_thinking, as in SPEC §6.2;
-    tool_choice ("auto", "required", "none") and response_format (OpenAI's) add their system notes."""
+    """thinking / thinking_effort ("none" turns thinking off) / preserve_thinking, as in
+    docs/spec_text.md#chat-format; tool_choice ("auto", "required", "none") and response_format (OpenAI's) add
+    their system notes."""
 
     thinking: bool = True
     thinking_effort: str | None = "max"

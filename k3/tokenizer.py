@@ -1,4 +1,5 @@
-"""K3Tokenizer: byte-level BPE with the K3 reserved-token block (SPEC §6.1), trained or loaded.
+"""K3Tokenizer: byte-level BPE with the K3 reserved-token block (docs/spec_text.md#tokenizer), trained or
+loaded.
 
 Layout. Ids ``0 .. base-1`` are ordinary BPE tokens; the last 256 ids ``base .. base+255`` are the
 reserved block, ``base = vocab_size - 256``. Offsets inside the block mirror the released tokenizer,
@@ -17,10 +18,10 @@ names to their ids. (An HF ``tokenizers``/``transformers`` tokenizer built from 
 registers the reserved tokens as added tokens and so always matches them -- use this class for
 untrusted text.)
 
-Pre-tokenisation. Kimi K2's split (SPEC §6.1 gives K3 K2's regex, unverified there, §8.9; llama.cpp's
-converter assumes the same), PRE_TOKENIZER_PATTERN: Han runs; letter runs of one case shape (capitals
-then lower case, or capitals only; Han excluded, marks included) with one optional leading non-letter
-and an optional English contraction; digit groups of at most 3; punctuation runs with trailing
+Pre-tokenisation. Kimi K2's split (docs/spec_text.md#tokenizer gives K3 K2's regex, unverified there, §8.9;
+llama.cpp's converter assumes the same), PRE_TOKENIZER_PATTERN: Han runs; letter runs of one case shape
+(capitals then lower case, or capitals only; Han excluded, marks included) with one optional leading
+non-letter and an optional English contraction; digit groups of at most 3; punctuation runs with trailing
 newlines; newline runs; other whitespace. It is the ``pat_str`` that the release's
 ``tokenization_kimi.py`` gives tiktoken, so a trained tokenizer exported as ``tiktoken.model`` encodes
 identically under tiktoken, and a GGUF can declare llama.cpp's ``kimi-k2`` pre-tokenizer (which departs
@@ -51,6 +52,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from k3.tokenizer_export import gguf_vocab, merges_from_ranks, token_bytes, write_tiktoken_model
+
 NUM_RESERVED = 256
 MIN_VOCAB_SIZE = 256 + NUM_RESERVED  # every byte plus the reserved block
 DEFAULT_VOCAB_SIZE = 8192
@@ -75,7 +78,7 @@ PRE_TOKENIZER_PATTERN = "|".join(
     ]
 )
 _ADDED_TOKEN_FLAGS = dict(lstrip=False, normalized=False, rstrip=False, single_word=False)  # as released
-# offset in the reserved block -> (name, special); SPEC §6.1
+# offset in the reserved block -> (name, special); docs/spec_text.md#tokenizer
 _NAMED_RESERVED = {
     0: ("[BOS]", True),
     1: ("[EOS]", True),
@@ -110,31 +113,6 @@ def reserved_tokens(base: int) -> list[ReservedToken]:
         name, special = _NAMED_RESERVED.get(off, (f"<|reserved_token_{base + off}|>", True))
         out.append(ReservedToken(base + off, name, special))
     return out
-
-
-def byte_to_unicode() -> dict[int, str]:
-    """GPT-2's byte -> printable character map (HF ``ByteLevel``, GGUF ``gpt2`` vocabularies): printable
-    Latin-1 bytes stand for themselves, the other 68 take the characters from U+0100 on, in byte order."""
-    kept = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
-    moved = [b for b in range(256) if b not in kept]
-    return {b: chr(b) for b in kept} | {b: chr(0x100 + i) for i, b in enumerate(moved)}
-
-
-_BYTE_TO_CHAR = byte_to_unicode()
-_CHAR_TO_BYTE = {c: b for b, c in _BYTE_TO_CHAR.items()}
-
-
-def token_string(token: bytes) -> str:
-    """A token's bytes in GPT-2 byte-to-unicode form (how ``tokenizer.json`` and GGUF spell it)."""
-    return "".join(_BYTE_TO_CHAR[b] for b in token)
-
-
-def token_bytes(string: str) -> bytes:
-    """Inverse of :func:`token_string`."""
-    try:
-        return bytes(_CHAR_TO_BYTE[c] for c in string)
-    except KeyError as e:
-        raise ValueError(f"token {string!r} holds {e.args[0]!r}, not a byte-level character") from None
 
 
 def pre_tokenize(text: str, pattern: str = PRE_TOKENIZER_PATTERN) -> list[str]:
@@ -189,8 +167,6 @@ class _TiktokenBackend:
         return dict(self._ranks)
 
     def merges(self) -> list[tuple[bytes, bytes]]:
-        from k3.tokenizer_export import merges_from_ranks
-
         return merges_from_ranks(self._ranks)
 
 
@@ -318,16 +294,12 @@ class K3Tokenizer:
 
     def gguf_vocab(self):
         """llama.cpp's view of this vocabulary: :func:`k3.tokenizer_export.gguf_vocab`."""
-        from k3.tokenizer_export import gguf_vocab
-
         return gguf_vocab(self)
 
     # ---- persistence -------------------------------------------------------------------------------
 
     def save(self, directory: str | os.PathLike) -> Path:
         """Write ``tokenizer.json`` (HF backend), ``tiktoken.model`` and ``tokenizer_config.json``."""
-        from k3.tokenizer_export import write_tiktoken_model
-
         d = Path(directory)
         d.mkdir(parents=True, exist_ok=True)
         if isinstance(self._backend, _HFBackend):

@@ -1,4 +1,6 @@
-"""A K3Tokenizer as other runtimes read it: the release's ``tiktoken.model`` and llama.cpp's GGUF vocabulary.
+"""A K3Tokenizer as other runtimes read it: the release's ``tiktoken.model`` and llama.cpp's GGUF vocabulary,
+and the GPT-2 byte-level spelling of tokens both use. It imports nothing from :mod:`k3.tokenizer`, which
+builds on it (the functions take any object with the tokenizer's methods).
 
 Ranks and merges. tiktoken's BPE repeatedly joins the adjacent pair whose concatenation has the lowest
 rank; HF ``tokenizers`` and llama.cpp join the adjacent pair that comes first in a merge list. A trained
@@ -25,12 +27,39 @@ import re
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from k3.tokenizer import K3Tokenizer, token_string
+if TYPE_CHECKING:  # annotations only: k3.tokenizer builds on this module, not the other way round
+    from k3.tokenizer import K3Tokenizer
 
 # llama.cpp's token types (gguf.TokenType)
 NORMAL, CONTROL, UNUSED = 1, 3, 5
 _UNUSED_NAME = re.compile(rb"<\|unused_(\d+)\|>")  # what train_tokenizer fills missing merges with
+
+
+def byte_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character map (HF ``ByteLevel``, GGUF ``gpt2`` vocabularies): printable
+    Latin-1 bytes stand for themselves, the other 68 take the characters from U+0100 on, in byte order."""
+    kept = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    moved = [b for b in range(256) if b not in kept]
+    return {b: chr(b) for b in kept} | {b: chr(0x100 + i) for i, b in enumerate(moved)}
+
+
+_BYTE_TO_CHAR = byte_to_unicode()
+_CHAR_TO_BYTE = {c: b for b, c in _BYTE_TO_CHAR.items()}
+
+
+def token_string(token: bytes) -> str:
+    """A token's bytes in GPT-2 byte-to-unicode form (how ``tokenizer.json`` and GGUF spell it)."""
+    return "".join(_BYTE_TO_CHAR[b] for b in token)
+
+
+def token_bytes(string: str) -> bytes:
+    """Inverse of :func:`token_string`."""
+    try:
+        return bytes(_CHAR_TO_BYTE[c] for c in string)
+    except KeyError as e:
+        raise ValueError(f"token {string!r} holds {e.args[0]!r}, not a byte-level character") from None
 
 
 def unused_ids(ranks: dict[bytes, int]) -> set[int]:

@@ -18,15 +18,22 @@ from k3.tokenizer import (
     bytes_per_token,
     load_or_train_tokenizer,
     reserved_tokens,
-    token_bytes,
-    token_string,
     train_tokenizer,
 )
-from k3.tokenizer_export import CONTROL, NORMAL, UNUSED, merges_from_ranks, rank_order_problems
+from k3.tokenizer_export import (
+    CONTROL,
+    NORMAL,
+    UNUSED,
+    merges_from_ranks,
+    rank_order_problems,
+    token_bytes,
+    token_string,
+)
 
 VOCAB = 1024
 BASE = VOCAB - 256
-# tokenization_kimi.py's pat_str as published (SPEC §6.1: K3's is K2's), spelled out as one string
+# tokenization_kimi.py's pat_str as published (docs/spec_text.md#tokenizer: K3's is K2's), spelled out as one
+# string
 K2_PAT_STR = (
     r"[\p{Han}]+"
     r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+"

@@ -1,16 +1,16 @@
 """Vision configuration: `VisionConfig` (the official `vision_config` keys), `MediaProcConfig` (the image
 pre-processor, `media_proc_cfg`), `K3VLConfig` (text + vision) and the vision presets.
 
-Field names are the release's keys (SPEC §1.1 `vision_config`, `preprocessor_config.json`), so
+Field names are the release's keys (docs/spec.md#config `vision_config`, `preprocessor_config.json`), so
 `VisionConfig.from_hf(d).to_hf() == d` for the official dict (unknown keys are kept in `extra`).
 Only the values the release uses are accepted for the structural switches (`norm_type "rmsnorm"`,
 `mlp_type "mlp2"`, `merge_type "sd2_tpool"`, `mm_projector_type "patchmergerv2"`, no biases); anything
 else raises ValueError naming the key.
 
-Presets: `vision_preset("moonvit-v2")` is the release tower (0.40 B, SPEC §7.2), `"moonvit-tiny"` a
-~0.18 M tower for CPU tests and the demo. `vl_preset("k3-tiny-vl")` pairs the tiny tower with the k3-nano
-text model (vocabulary widened to 1024 ids), `"k3-tiny-vl-t"` with k3-tiny, `"k3-full-vl"` is the
-release. This module imports only the stdlib and `k3.config`.
+Presets: `vision_preset("moonvit-v2")` is the release tower (0.40 B, docs/spec.md#parameter-counts),
+`"moonvit-tiny"` a ~0.18 M tower for CPU tests and the demo. `vl_preset("k3-tiny-vl")` pairs the tiny tower
+with the k3-nano text model (vocabulary widened to 1024 ids), `"k3-tiny-vl-t"` with k3-tiny, `"k3-full-vl"` is
+the release. This module imports only the stdlib and `k3.config`.
 """
 
 from __future__ import annotations
@@ -20,14 +20,13 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from k3.config import K3Config, load_config
+from k3.config import IMAGE_PLACEHOLDER, K3Config, load_config
 
 VISION_PRESETS = ("moonvit-v2", "moonvit-tiny")
 VL_PRESETS = ("k3-full-vl", "k3-tiny-vl", "k3-tiny-vl-t")
-IMAGE_PLACEHOLDER = "<|kimi_image_placeholder|>"  # SPEC §1.1 `image_placeholder` (plain text)
-PAD_OFFSET = 21  # <|media_pad|> = reserved base + 21 (163605 in the release, SPEC §6.1)
+PAD_OFFSET = 21  # <|media_pad|> = reserved base + 21 (163605 in the release, docs/spec_text.md#tokenizer)
 
-# key -> the only value we implement (SPEC §5)
+# key -> the only value we implement (docs/spec_vision.md)
 _FIXED = {
     "norm_type": "rmsnorm",
     "mlp_type": "mlp2",
@@ -58,7 +57,7 @@ def _positive(value: Any, key: str) -> None:
 
 @dataclass(frozen=True)
 class VisionConfig:
-    """MoonViT-V2 tower + patch-merger projector. Defaults are the release values (SPEC §1.1)."""
+    """MoonViT-V2 tower + patch-merger projector. Defaults are the release values (docs/spec.md#config)."""
 
     patch_size: int = 14
     init_pos_emb_height: int = 64
@@ -85,8 +84,8 @@ class VisionConfig:
     projector_ln_eps: float = 1e-5
     text_hidden_size: int = 7168
     _attn_implementation: str = "flash_attention_2"
-    # k3 extension keys (written by to_hf only when set): RoPE base and vision RMSNorm eps (SPEC §8.9:
-    # None = the compute dtype's machine epsilon, as the ports do)
+    # k3 extension keys (written by to_hf only when set): RoPE base and vision RMSNorm eps
+    # (docs/spec.md#choices: None = the compute dtype's machine epsilon, as the ports do)
     rope_theta: float = 10000.0
     vt_norm_eps: float | None = None
     extra: dict = field(default_factory=dict, compare=False, repr=False)
@@ -179,7 +178,8 @@ class VisionConfig:
 
 @dataclass(frozen=True)
 class MediaProcConfig:
-    """Image pre-processing (`media_proc_cfg`, SPEC §1.1 / §5.1). Release values by default."""
+    """Image pre-processing (`media_proc_cfg`, docs/spec.md#config, docs/spec_vision.md#preprocessing).
+    Release values by default."""
 
     patch_size: int = 14
     merge_kernel_size: int = 2
@@ -291,7 +291,7 @@ class K3VLConfig:
 
 
 def vision_preset(name: str, text_hidden_size: int | None = None) -> VisionConfig:
-    """`moonvit-v2` (the release, SPEC §1.1) or `moonvit-tiny` (CPU tests and demo)."""
+    """`moonvit-v2` (the release, docs/spec.md#config) or `moonvit-tiny` (CPU tests and demo)."""
     if name == "moonvit-v2":
         cfg = VisionConfig()
     elif name == "moonvit-tiny":
