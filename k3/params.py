@@ -1,16 +1,17 @@
 """Parameter counts of a K3 configuration, total and active per token, by component (`k3 params`).
 
 Counted on the meta device from the real model (`with torch.device("meta"): K3ForCausalLM(config)`), over
-its state_dict (so the router's `e_score_correction_bias` buffer counts, as in SPEC §7.2). `A_log` counts
-its in-memory [H] values; the official file pads it to 128 (SPEC §2.3), which is storage, not parameters:
-SPEC §7.2's 443,740,384 per KDA layer is reproduced with 96, not 128.
+its state_dict (so the router's `e_score_correction_bias` buffer counts, as in docs/spec.md#parameter-counts).
+`A_log` counts its in-memory [H] values; the official file pads it to 128 (docs/spec.md#tensors), which is
+storage, not parameters: the 443,740,384 per KDA layer of docs/spec.md#parameter-counts is reproduced with
+96, not 128.
 
 Active per token = everything except the routed experts + top_k / E of them (num_experts_per_token
 experts in every MoE layer); reported with and without the input embedding (a lookup, not a matmul).
 With tied embeddings the one matrix is counted once (as "embedding") and is active either way.
 
 `expected_shapes(config)` is the same model written down analytically (our state_dict contract); tests
-check it against the real model for every preset, and against SPEC §7.2 for k3-full.
+check it against the real model for every preset, and against docs/spec.md#parameter-counts for k3-full.
 """
 
 import json
@@ -41,7 +42,8 @@ _ATTN_RES = ("self_attention_res_norm", "self_attention_res_proj", "mlp_res_norm
 
 # ---- the state_dict contract, analytically ----------------------------------------------------------
 def expected_shapes(config: K3Config) -> dict[str, tuple[int, ...]]:
-    """{name: shape} of K3ForCausalLM(config).state_dict(), from the config alone (SPEC §2, in-memory)."""
+    """{name: shape} of K3ForCausalLM(config).state_dict(), from the config alone (docs/spec.md#tensors,
+    in-memory)."""
     c, d = config, config.hidden_size
     shapes = {"model.embed_tokens.weight": (c.vocab_size, d)}
     for i in range(c.num_hidden_layers):
@@ -218,7 +220,8 @@ def count_parameters(
 
 
 def inference_state(config: K3Config) -> dict[str, float]:
-    """KDA state per sequence (fp32 recurrent + bf16 conv) and MLA latent cache per token (SPEC §3.4-3.5)."""
+    """KDA state per sequence (fp32 recurrent + bf16 conv) and MLA latent cache per token (docs/spec.md#kda,
+    docs/spec.md#mla)."""
     la = config.linear_attn_config
     n_kda = sum(config.is_kda_layer(i) for i in range(config.num_hidden_layers))
     n_mla = config.num_hidden_layers - n_kda

@@ -1,4 +1,5 @@
-"""XTML chat format (SPEC §6.2): exact rendering, tool-call round trips, preserved thinking, no forgery."""
+"""XTML chat format (docs/spec_text.md#chat-format): exact rendering, tool-call round trips, preserved
+thinking, no forgery."""
 
 import json
 

@@ -1,4 +1,5 @@
-"""k3 plan: per-GPU numbers against hand computations from SPEC §7.2 and docs/distributed.md's formulas."""
+"""k3 plan: per-GPU numbers against hand computations from docs/spec.md#parameter-counts and
+docs/distributed.md's formulas."""
 
 import pytest
 
@@ -12,7 +13,7 @@ from k3.plan import (
     param_split,
 )
 
-P_TOTAL = 2_779_484_476_000  # SPEC §7.2 text model (router biases included)
+P_TOTAL = 2_779_484_476_000  # docs/spec.md#parameter-counts text model (router biases included)
 P_EXPERTS = 2_722_740_830_208
 ROUTER_BIAS = 92 * 896
 D = 7168
@@ -41,12 +42,14 @@ def test_k3_full_64_gpus_by_hand(full_plan):
     assert full_plan.ep == 64  # gcd(64, 896)
     assert rows["master weights (fp32, FSDP shard)"] == 4 * P_TOTAL / G
     assert rows["gradients (fp32, FSDP shard)"] == 4 * (P_TOTAL - ROUTER_BIAS) / G
-    assert rows["routed experts (MXFP4)"] == P_EXPERTS * 17 / 32 / G  # 4.25 bits; SPEC: 1,446.5 GB in all
+    # 4.25 bits; 1,446.5 GB in all (docs/spec.md#parameter-counts)
+    assert rows["routed experts (MXFP4)"] == P_EXPERTS * 17 / 32 / G
     assert abs(P_EXPERTS * 17 / 32 / 1e9 - 1446.5) < 0.1
     assert rows["dense weights (bf16)"] == 2 * (P_TOTAL - P_EXPERTS) / G
     assert rows["MLA latent cache, 1 seq @ 131,072"] == 24 * 576 * 2 * 131072
     kda = 69 * (96 * 128 * 128 * 4 + 3 * 12288 * 3 * 2)
-    assert rows["KDA state, 1 seq"] == kda and abs(kda / 2**20 - 428.6) < 0.05  # SPEC §7.2
+    # docs/spec.md#parameter-counts
+    assert rows["KDA state, 1 seq"] == kda and abs(kda / 2**20 - 428.6) < 0.05
     # 2.78T with fp32 master + fp32 grads + fp32 Muon momentum is ~12 B/param: not on 64 x 141 GB
     assert not full_plan.to_dict()["train_fits"]
     assert full_plan.train_total > 12 * P_TOTAL / G

@@ -300,6 +300,64 @@ def test_doc_links_resolve():
     assert not bad, "links to docs pages that do not exist:\n" + "\n".join(bad)
 
 
+# A citation names a markdown file of the repository and a section: `docs/spec.md#kda`,
+# `CONTRIBUTING.md#one-init`, or in a docs page a relative link such as `(#choices)`. The file is taken
+# relative to the citing file, then to the repository root; the anchor is a heading's GitHub slug.
+CITATION = re.compile(r"(?<![\w/.-])((?:[\w-]+/)*[\w-]+\.md)#([\w-]+)")
+SAME_PAGE_LINK = re.compile(r"\]\(#([\w-]+)\)")
+# Citations of documents that are not in the repository (the specification and style notes it grew from).
+OUTSIDE_CITATION = re.compile(r"\b(?:SPEC|STYLE) (?:§|sections? \d|conventions? \d)")
+
+
+def heading_anchors(markdown: str) -> set[str]:
+    """GitHub's anchors of a markdown text's headings (lower case, punctuation dropped, spaces to
+    hyphens, a repeated heading numbered -1, -2, ...); headings inside fenced code do not count."""
+    anchors, seen, fenced = set(), {}, False
+    for line in markdown.splitlines():
+        if line.lstrip().startswith("```"):
+            fenced = not fenced
+            continue
+        m = re.match(r"#{1,6}\s+(.+?)\s*#*\s*$", line)
+        if fenced or not m:
+            continue
+        slug = re.sub(r"[^\w\- ]", "", m.group(1).lower()).replace(" ", "-")
+        n = seen.get(slug, 0)
+        seen[slug] = n + 1
+        anchors.add(slug if n == 0 else f"{slug}-{n}")
+    return anchors
+
+
+def citation_problems(name: str, text: str, files: dict[str, str]) -> list[str]:
+    """Why the citations in `text` (the file `name`, relative to the root) do not resolve; `files` maps
+    the repository's paths to their text."""
+    problems = [
+        f"{name}: {m.group(0)!r} cites a document outside the repository"
+        for m in OUTSIDE_CITATION.finditer(text)
+    ]
+    here = str(Path(name).parent)
+    cited = [(m.group(1), m.group(2)) for m in CITATION.finditer(text)]
+    if name.endswith(".md"):
+        cited += [(Path(name).name, anchor) for anchor in SAME_PAGE_LINK.findall(text)]
+    for path, anchor in cited:
+        found = next((p for p in (str(Path(here) / path), path) if p in files), None)
+        if found is None:
+            problems.append(f"{name}: {path}#{anchor}: no such file")
+        elif anchor not in heading_anchors(files[found]):
+            problems.append(f"{name}: {path}#{anchor}: no such section in {found}")
+    return problems
+
+
+def test_citations_resolve():
+    files = tracked_text_files()
+    bad = [
+        p
+        for name, text in files.items()
+        if name != "CHANGELOG.md"
+        for p in citation_problems(name, text, files)
+    ]
+    assert not bad, "citations that do not resolve inside the repository:\n" + "\n".join(bad)
+
+
 # ---- the checkers on sample text: each rule fails where it should and only there -------------------------
 ISSUE, SESSION, STOP, WAS = "issue", "session", "stop", "was"
 
@@ -353,3 +411,44 @@ def test_legitimate_words_pass(text):
 )
 def test_machine_paths_are_caught(text, bad):
     assert bool(machine_paths(text)) == bad
+
+
+MD = ".md"  # the samples below are assembled so that this file passes its own citation scan
+SPEC_PAGES = {
+    "docs/spec.md": "# Spec\n## Config\n### KDA\n```\n## Not a heading\n```\n",
+    "docs/serving.md": "# Serving\n## How it works: the cache\n## Notes\n## Notes\n",
+    "CONTRIBUTING.md": "## Layout rules\n### One init\n",
+}
+
+
+@pytest.mark.parametrize(
+    "name, text, ok",
+    [
+        ("k3/model/kda.py", "KDA (docs/spec" + MD + "#kda): the mixer", True),
+        ("k3/model/init.py", "in one place (CONTRIBUTING" + MD + "#one-init)", True),
+        ("docs/serving.md", "see [spec: kda](spec" + MD + "#kda) and [notes](#notes-1)", True),
+        ("docs/serving.md", "[how](#how-it-works-the-cache)", True),
+        ("k3/x.py", "https://github.com/o/r/blob/main/README" + MD + "#install", True),
+        ("k3/model/kda.py", "KDA (docs/spec" + MD + "#mla)", False),  # no such section
+        ("k3/model/kda.py", "KDA (docs/spec_kda" + MD + "#kda)", False),  # no such file
+        (
+            "k3/model/kda.py",
+            "KDA (spec" + MD + "#kda)",
+            False,
+        ),  # resolves neither beside k3/model nor at the root
+        ("docs/serving.md", "[x](#not-a-heading)", False),  # headings in fenced code do not count
+        ("docs/serving.md", "[x](#notes-2)", False),
+        ("k3/model/kda.py", "KDA (" + "SPEC" + " §3.4)", False),  # a document outside the repository
+        ("k3/optim/muon.py", "Layout (" + "STYLE" + " convention 12)", False),
+        ("k3/optim/qk_clip.py", "QK-Clip (" + "SPEC" + " section 4.3)", False),
+    ],
+)
+def test_citation_checker(name, text, ok):
+    assert (not citation_problems(name, text, SPEC_PAGES)) == ok
+
+
+def test_heading_anchors():
+    text = "# Spec: the K3 model\n## Per-Head Muon\n### SiTU-GLU\n## `k3` and `torch`\n## Notes\n## Notes\n"
+    assert heading_anchors(text) == {
+        "spec-the-k3-model", "per-head-muon", "situ-glu", "k3-and-torch", "notes", "notes-1",
+    }  # fmt: skip

@@ -1,4 +1,4 @@
-"""Draw docs/figures/architecture.png: the K3 block diagram (SPEC §3) with matplotlib.
+"""Draw docs/figures/architecture.png: the K3 block diagram (docs/spec.md#forward) with matplotlib.
 
     python docs/figures/make_architecture.py            # writes architecture.png next to this file
 
@@ -383,7 +383,7 @@ def main(out: Path | None = None) -> Path:
     ax.text(
         41,
         5.2,
-        "Equations: docs/architecture.md and SPEC §3; code: k3/model/{transformer,attnres,kda,mla,moe}.py",
+        "Equations: docs/architecture.md and docs/spec.md#forward; code: k3/model/{transformer,attnres,kda,mla,moe}.py",
         fontsize=8,
         color="#444444",
     )

@@ -1,4 +1,4 @@
-"""K3 checkpoints: the official safetensors layout (SPEC §2) <-> our in-memory state_dict.
+"""K3 checkpoints: the official safetensors layout (docs/spec.md#tensors) <-> our in-memory state_dict.
 
 `adapter` holds the pure name/layout conversion (`to_official`, `from_official`); `io` reads and writes
 checkpoint directories (config.json + safetensors shards, atomically, never via pickle). See

@@ -1,13 +1,15 @@
-"""Official Kimi K3 checkpoint names <-> our in-memory state_dict (STYLE §18). Pure functions, no I/O.
+"""Official Kimi K3 checkpoint names <-> our in-memory state_dict (CONTRIBUTING.md#checkpoint-adapters). Pure
+functions, no I/O.
 
-Official layout (SPEC §2): the text model lives under `language_model.` and otherwise uses our names,
-with three differences that this file converts:
+Official layout (docs/spec.md#tensors): the text model lives under `language_model.` and otherwise uses our
+names, with three differences that this file converts:
 
 * routed experts are stored one tensor per expert, `...block_sparse_moe.experts.{e}.w1.weight` [I, Dl]
   (w3 likewise, w2 [Dl, I]); in memory they are stacked, `...experts.w1` [E, I, Dl], `w3`, `w2` [E, Dl, I];
 * KDA `A_log` is per head, [H] in memory, but stored zero-padded to the next multiple of 128 (the release
-  stores 96 heads as [128], SPEC §2.3 / §8.1); on load we also accept [H] and the legacy [1, 1, H, 1];
-* the release stores the routed experts as MXFP4 (`weight_packed` / `weight_scale` uint8, SPEC §2.6);
+  stores 96 heads as [128], docs/spec.md#tensors, docs/spec.md#choices); on load we also accept [H] and the
+  legacy [1, 1, H, 1];
+* the release stores the routed experts as MXFP4 (`weight_packed` / `weight_scale` uint8, docs/spec.md#mxfp4);
   on load they are decoded with `k3.quant.mx.dequantize_mx` to BF16 (FP32 if the embedding is FP32), which
   is exact (an FP4 value times a power of two always fits BF16). We always write BF16/FP32 experts
   (`weight`).
@@ -31,7 +33,7 @@ PREFIX = "language_model."
 MULTIMODAL_PREFIXES = ("vision_tower.", "mm_projector.")
 A_LOG_PAD = 128  # A_log is stored padded to a multiple of this many heads
 
-# Stored in FP32 in the release whatever the checkpoint dtype (SPEC §2.3, §2.5).
+# Stored in FP32 in the release whatever the checkpoint dtype (docs/spec.md#tensors).
 F32_SUFFIXES = ("conv1d.weight", ".A_log", ".dt_bias", ".o_norm.weight", ".e_score_correction_bias")
 
 _STACKED = re.compile(r"^model\.layers\.(\d+)\.block_sparse_moe\.experts\.(w[123])$")
@@ -86,7 +88,8 @@ def unpad_a_log(a_log: torch.Tensor, num_heads: int) -> torch.Tensor:
 
 
 def to_official(state_dict: dict[str, torch.Tensor], config: K3Config) -> dict[str, torch.Tensor]:
-    """Our state_dict -> official tensors (names and layouts of the released checkpoint, SPEC §2).
+    """Our state_dict -> official tensors (names and layouts of the released checkpoint,
+    docs/spec.md#tensors).
 
     Expert tensors are views of the stacked ones (no copy); A_log is a new padded tensor.
     """

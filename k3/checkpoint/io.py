@@ -1,4 +1,4 @@
-"""Save and load K3 checkpoints in the official layout: config.json + safetensors (SPEC §2).
+"""Save and load K3 checkpoints in the official layout: config.json + safetensors (docs/spec.md#tensors).
 
 A checkpoint directory holds `config.json` (exactly `config.to_hf()`) and either `model.safetensors` or,
 when the tensors exceed `max_shard_bytes`, `model-00001-of-0000N.safetensors` shards plus
@@ -11,7 +11,8 @@ Safety rules:
   onto `out_dir` only when complete; an existing checkpoint there is swapped out and deleted afterwards,
   so a crash leaves either the old or the new checkpoint under the final name, never a partial one.
   A non-empty directory that does not look like a checkpoint is never replaced;
-* provenance (STYLE §3.20): each shard's metadata records the k3 version and, if known, the git SHA.
+* provenance (CONTRIBUTING.md#provenance): each shard's metadata records the k3 version and, if known, the git
+  SHA.
 """
 
 import json

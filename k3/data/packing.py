@@ -3,7 +3,7 @@
 Token stream. Each epoch orders the documents by a seeded permutation (or keeps corpus order) and
 concatenates them, every document *followed* by ``eos_id`` (``<|end_of_msg|>``, the stop token, so a
 model trained on the stream learns to end a document and generation stops there). Epochs follow each
-other without a gap. No BOS is used (the chat path prepends none either, SPEC §6.1).
+other without a gap. No BOS is used (the chat path prepends none either, docs/spec_text.md#tokenizer).
 
 Rows. Row ``r`` holds stream tokens ``[r*T, r*T + T + 1)``: ``input_ids = row[:-1]``, ``labels = row[1:]``,
 so consecutive rows' inputs tile the stream exactly and every token is predicted once. The label of a

@@ -159,10 +159,11 @@ def _add_tokenizer(writer, tokenizer_dir: str | Path, config: K3Config) -> None:
         writer.add_token_merges(vocab.merges)
     ids = vocab.special_ids
     writer.add_bos_token_id(ids["bos"])
-    writer.add_eos_token_id(ids["eos"])  # <|end_of_msg|>, the stop token of a turn (SPEC §6.1), not [EOS]
+    # <|end_of_msg|>, the stop token of a turn (docs/spec_text.md#tokenizer), not [EOS]
+    writer.add_eos_token_id(ids["eos"])
     writer.add_unk_token_id(ids["unk"])
     writer.add_pad_token_id(ids["pad"])
-    writer.add_add_bos_token(False)  # the chat path prepends nothing (SPEC §6.1)
+    writer.add_add_bos_token(False)  # the chat path prepends nothing (docs/spec_text.md#tokenizer)
     writer.add_add_eos_token(False)
     template = chat_template(tokenizer_dir)
     if template:

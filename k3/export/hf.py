@@ -1,4 +1,5 @@
-"""`k3 export --format hf`: any checkpoint k3 reads -> a folder in the release layout (SPEC §1-§2).
+"""`k3 export --format hf`: any checkpoint k3 reads -> a folder in the release layout (docs/spec.md#config,
+docs/spec.md#tensors).
 
 The output is what the released Kimi K3 ships, at this model's size: config.json with the
 `KimiK3ForConditionalGeneration` wrapper around `text_config`, safetensors under the official names,

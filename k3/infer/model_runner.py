@@ -1,4 +1,4 @@
-"""Owns the device caches and runs the model on a `StepPlan` (STYLE §3.6: the engine owns the caches).
+"""Owns the device caches and runs the model on a `StepPlan` (CONTRIBUTING.md#the-engine-owns-the-caches).
 
 Pools, allocated once from the engine config:
 * MLA layer l: latents [num_pages * page_size, R + Dr] in the model dtype (a page = page_size rows);

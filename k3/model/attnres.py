@@ -1,4 +1,4 @@
-"""Block Attention Residuals wiring (SPEC §3.2-3.3).
+"""Block Attention Residuals wiring (docs/spec.md#attnres).
 
 A decoder layer does not read a residual stream: its mixer and FFN inputs are depth-softmax mixtures
 (`k3.ops.attnres.attn_res`) over the completed block representations R and the running partial sum P of

@@ -1,4 +1,5 @@
-"""Naive generation on the model itself: the reference the inference engine is tested against (STYLE §7).
+"""Naive generation on the model itself: the reference the inference engine is tested against
+(CONTRIBUTING.md#a-reference-generate).
 
 `use_cache=False` recomputes the whole sequence every step (slow, obviously right); `use_cache=True`
 prefills a `ModelState` once and then decodes one token at a time with the KDA recurrence and the

@@ -1,4 +1,5 @@
-"""Weight initialization for K3, in one place (STYLE §13). Build on the meta device, then call this.
+"""Weight initialization for K3, in one place (CONTRIBUTING.md#one-init). Build on the meta device, then call
+this.
 
 | parameter                                        | init                                            |
 |--------------------------------------------------|-------------------------------------------------|

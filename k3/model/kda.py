@@ -1,4 +1,4 @@
-"""Kimi Delta Attention (KDA), the linear-attention token mixer of 69 of K3's 93 layers (SPEC §3.4).
+"""Kimi Delta Attention (KDA), the linear-attention token mixer of 69 of K3's 93 layers (docs/spec.md#kda).
 
 Paper: "Kimi Linear: An Expressive, Efficient Attention Architecture" (arXiv 2510.26692), §3-4.
 Per token x [D] (the normed AttnRes output), H heads, K = V = head_dim:
@@ -10,7 +10,7 @@ Per token x [D] (the normed AttnRes output), H heads, K = V = head_dim:
     S_t     = (I - beta_t k_t k_t^T) Diag(exp(g_t)) S_{t-1} + beta_t k_t v_t^T,   o_t = S_t^T q_t
     y       = o_proj( RMSNorm_{o_norm}(o_t,h) * sigmoid(x W_g^T)_h )  per head, normalize-then-gate
 
-Parameter names are the checkpoint's (SPEC §2.2-2.3). Prefill/training use the chunk-parallel kernel
+Parameter names are the checkpoint's (docs/spec.md#tensors). Prefill/training use the chunk-parallel kernel
 (`chunk_kda`); a call with a state and at most `RECURRENT_MAX_T` tokens per row (decode) uses the
 token-by-token recurrence (`recurrent_kda`).
 
@@ -21,7 +21,7 @@ boundary, and state tensors are per document ([N, ...]).
 
 Parameters per layer at K3 size: 4 x 12288 x 7168 (q, k, v, g) + 12288 x 7168 (o) + 128 x 7168 + 12288 x 128
 (f_a, f_b) + 96 x 7168 (b) + 3 x 12288 x 4 (convs) + 12288 (dt_bias) + 96 (A_log) + 128 (o_norm)
-= 443,740,384 (SPEC §7.2; the checkpoint pads A_log to 128 entries).
+= 443,740,384 (docs/spec.md#parameter-counts; the checkpoint pads A_log to 128 entries).
 """
 
 import math
@@ -147,7 +147,7 @@ def _check_cu_seqlens(cu_seqlens: torch.Tensor, B: int, T: int) -> torch.Tensor:
 class KimiDeltaAttention(nn.Module):
     """KDA token mixer for decoder layer `layer_idx`: x [B, T, D] -> [B, T, D]."""
 
-    fast_decode = True  # one-token steps take `decode_step` (False: always `forward_reference`)
+    fast_decode = True  # one-token steps take `decode_step` (False: always `forward_chunked`)
 
     def __init__(self, config: K3Config, layer_idx: int, device=None, dtype=None):
         super().__init__()
@@ -207,7 +207,7 @@ class KimiDeltaAttention(nn.Module):
         model's last layer) -> y [B, keep or T, D].
 
         A one-token step with a full state and no autograd (decode) takes `decode_step`, the same maths
-        in fewer ops; everything else (and `fast_decode = False`) takes `forward_reference`."""
+        in fewer ops; everything else (and `fast_decode = False`) takes `forward_chunked`."""
         if (
             self.fast_decode
             and cu_seqlens is None
@@ -221,9 +221,9 @@ class KimiDeltaAttention(nn.Module):
             and keep in (None, 1)
         ):
             return self.decode_step(x, state)
-        return self.forward_reference(x, state, cu_seqlens, keep)
+        return self.forward_chunked(x, state, cu_seqlens, keep)
 
-    def forward_reference(
+    def forward_chunked(
         self,
         x: torch.Tensor,
         state: KDAState | None = None,
@@ -281,7 +281,7 @@ class KimiDeltaAttention(nn.Module):
         """One token per row: x [B, 1, D], a full `state` (updated in place) -> y [B, 1, D].
 
         The three short convs run as one over the concatenated q|k|v channels, and the delta-rule step
-        works on [B, H, K, V] directly (no per-token unbinding). Matches `forward_reference` to rounding.
+        works on [B, H, K, V] directly (no per-token unbinding). Matches `forward_chunked` to rounding.
         """
         B, _, D = x.shape
         H, K = self.num_heads, self.head_dim

@@ -1,7 +1,8 @@
 """Basic layers shared by the whole model.
 
-`Linear` is the one linear class of the model: QAT and quantized inference swap it (STYLE §11), so every
-projection in the trunk is a `k3.model.layers.Linear`. Weights are stored [out, in] as in the checkpoint.
+`Linear` is the one linear class of the model: QAT and quantized inference swap it
+(CONTRIBUTING.md#quantization-by-module-swap), so every projection in the trunk is a `k3.model.layers.Linear`.
+Weights are stored [out, in] as in the checkpoint.
 """
 
 import torch
@@ -18,7 +19,7 @@ class Linear(nn.Linear):
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm over the last dim: fp32 normalization, cast back, times `weight` [D] (SPEC §3)."""
+    """RMSNorm over the last dim: fp32 normalization, cast back, times `weight` [D] (docs/spec.md#forward)."""
 
     def __init__(self, dim: int, eps: float = 1e-5, device=None, dtype=None):
         super().__init__()

@@ -1,4 +1,5 @@
-"""Gated multi-head latent attention (MLA) with NoPE, the full-attention mixer of 24 K3 layers (SPEC §3.5).
+"""Gated multi-head latent attention (MLA) with NoPE, the full-attention mixer of 24 K3 layers
+(docs/spec.md#mla).
 
 MLA: DeepSeek-V2 (arXiv 2405.04434) §2.1; NoPE MLA and the output gate: Kimi Linear (arXiv 2510.26692) §4.
 x [B, T, D] is the normed AttnRes output; H heads, Dn/Dr/Dv = qk_nope/qk_rope/v head dims, R = kv_lora_rank:
@@ -13,7 +14,7 @@ x [B, T, D] is the normed AttnRes output; H heads, Dn/Dr/Dv = qk_nope/qk_rope/v 
 K3 applies no rotation (`mla_use_nope`): the Dr "rope" dims are plain extra dot-product dims and position
 comes only from the KDA layers. `mla_use_nope=False` is the K2-style ablation: q_pe and k_pe are rotated
 (k3.ops.rope) by the token's position (within its document when `doc_ids` is given, else the cache offset
-plus arange(T), or explicit `positions`). Latent norm eps is `config.latent_norm_eps` (SPEC §8.2).
+plus arange(T), or explicit `positions`). Latent norm eps is `config.latent_norm_eps` (docs/spec.md#choices).
 
 Attention paths (k3.ops.mla), all equal: naive (materialized per-head K/V, computed in causal query
 blocks by `mla_attention_causal`; training, prefill), absorbed (W_UK folded into the query, W_UV into the
@@ -48,8 +49,8 @@ from k3.ops.mla import (
     expand_pays,
     mla_attention_causal,
     mla_attention_latent,
-    mla_attention_naive,
     mla_attention_over_blocks,
+    mla_attention_reference,
     query_positions,
     ragged_causal_mask,
     split_kv_b,
@@ -140,7 +141,7 @@ class MLAAttention(nn.Module):
         kv = self.kv_b_proj(c_kv).view(*c_kv.shape[:2], self.num_heads, self.nope_dim + self.v_dim)
         k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
         if mask is None:
-            return mla_attention_naive(q_nope, q_pe, k_nope, k_pe, v, self.scale, mask)
+            return mla_attention_reference(q_nope, q_pe, k_nope, k_pe, v, self.scale, mask)
         return mla_attention_causal(q_nope, q_pe, k_nope, k_pe, v, self.scale, mask)
 
     def _absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:

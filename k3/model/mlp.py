@@ -1,9 +1,10 @@
-"""The gated MLP: `down_proj(GLU(gate_proj(x), up_proj(x)))`, GLU = SiTU (K3) or SwiGLU (SPEC §3.6).
+"""The gated MLP: `down_proj(GLU(gate_proj(x), up_proj(x)))`, GLU = SiTU (K3) or SwiGLU
+(docs/spec.md#situ-glu).
 
 Used for the dense layer 0 (intermediate = `intermediate_size`, 33792 in the release) and for the shared
 experts of every MoE layer, which are one fused GLU of intermediate
 `moe_intermediate_size * num_shared_experts` (2 × 3072 = 6144). Checkpoint names: `gate_proj`, `up_proj`,
-`down_proj` (SPEC §2.5).
+`down_proj` (docs/spec.md#tensors).
 """
 
 import torch

@@ -1,4 +1,5 @@
-"""Stable LatentMoE (SPEC §3.7): FP32 sigmoid router with Quantile Balancing, experts in a latent width.
+"""Stable LatentMoE (docs/spec.md#latentmoe): FP32 sigmoid router with Quantile Balancing, experts in a latent
+width.
 
     h [T, D] --gate (fp32)--> p [T, k], idx [T, k]          selection on s + b, weights from s
     z = routed_expert_down_proj(h)                 [T, Dl]   one down-projection shared by all experts
@@ -8,7 +9,7 @@
 With `use_latent_moe=False` (the K2-style plain-MoE ablation) there is no down/norm/up: the experts work
 at width D and y = Σ_i p_i E_i(h) + shared_experts(h).
 
-Module names are the checkpoint names under `block_sparse_moe.` (SPEC §2.5). The routed experts are
+Module names are the checkpoint names under `block_sparse_moe.` (docs/spec.md#tensors). The routed experts are
 stored stacked (`experts.w1` [E, I, Dl], `w2` [E, Dl, I], `w3` [E, I, Dl]); the checkpoint adapter maps
 them to and from the per-expert `experts.{e}.w1.weight` tensors.
 
@@ -53,8 +54,8 @@ class Router(nn.Module):
         nn.init.zeros_(self.e_score_correction_bias)
 
     def _apply(self, fn, recurse=True):
-        # A model-wide `.to(bfloat16)` must not round the F32 bias (SPEC §2.5): keep its fp32 values and
-        # take only the new device.
+        # A model-wide `.to(bfloat16)` must not round the F32 bias (docs/spec.md#tensors): keep its fp32
+        # values and take only the new device.
         bias = self.e_score_correction_bias
         out = super()._apply(fn, recurse)
         if self.e_score_correction_bias.dtype != torch.float32:
@@ -62,7 +63,7 @@ class Router(nn.Module):
         return out
 
     def forward(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = F.linear(h.float(), self.weight.float())  # both operands upcast (SPEC §3.7 step 1)
+        logits = F.linear(h.float(), self.weight.float())  # both upcast (docs/spec.md#latentmoe step 1)
         weights, indices, scores = route(
             logits,
             self.e_score_correction_bias,

@@ -1,4 +1,5 @@
-"""K3VLForCausalLM: MoonViT tower + patch-merger projector + the K3 language model (SPEC §3.1, §5.4).
+"""K3VLForCausalLM: MoonViT tower + patch-merger projector + the K3 language model (docs/spec.md#forward,
+docs/spec_vision.md#placement).
 
     image_embeds = mm_projector(vision_tower(pixel_values, grid_thw))      [M, D]  M = sum (h/2)(w/2)
     e            = embed_tokens(input_ids)                                 [B, T, D]
@@ -8,7 +9,7 @@
 Several images per sequence and several sequences per batch are packed into one `pixel_values` /
 `grid_thw`, images in the order their pad runs appear. Counts are checked: a mismatch between the pads and
 the images raises ValueError. Module names are the checkpoint prefixes `vision_tower.`, `mm_projector.`,
-`language_model.` (SPEC §2), so `state_dict()` keys are the official tensor names.
+`language_model.` (docs/spec.md#tensors), so `state_dict()` keys are the official tensor names.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Per-layer inference state, owned by the caller and passed into the layers (STYLE §3.6).
+"""Per-layer inference state, owned by the caller and passed into the layers
+(CONTRIBUTING.md#the-engine-owns-the-caches).
 
 Nothing here is a module buffer: a layer receives its state object, reads the history from it and writes
 the updated history back into it (attribute assignment / `append`). The engine can substitute paged or

@@ -1,6 +1,6 @@
 """The K3 decoder: embedding -> 93 x (AttnRes -> KDA|MLA -> AttnRes -> dense|LatentMoE) -> AttnRes -> head.
 
-SPEC §3.3 wiring with block AttnRes (block size `attn_res_block_size`, counted in decoder layers):
+docs/spec.md#attnres wiring with block AttnRes (block size `attn_res_block_size`, counted in decoder layers):
 
     P <- e, R <- []
     for l in layers:

@@ -1,4 +1,5 @@
-"""MoonViT-V2 vision tower and the patch-merger projector (SPEC §5.2, §5.3), at any `VisionConfig` size.
+"""MoonViT-V2 vision tower and the patch-merger projector (docs/spec_vision.md#tower), at any `VisionConfig`
+size.
 
     patches [N, 3, p, p] --patch_embed.proj (conv p x p, stride p)--> [N, D]
       + pos_emb: the learnable [H0, W0, D] table bilinearly resized to each image's (h, w) grid
@@ -13,9 +14,10 @@
 2-D RoPE: the K dims of a head are K/2 complex pairs (2j, 2j+1); pair 2f turns by x*theta_f and pair 2f+1
 by y*theta_f, theta_f = base^(-4f/K), f = 0..K/4-1, with x the patch's column and y its row.
 
-`varlen_attention` (one SDPA call per image) is the fast path; `varlen_attention_ref` (dense masked
-softmax over the whole pack) is its reference. `apply_rope_2d` has `apply_rope_2d_ref` (complex multiply).
-Parameter names are the checkpoint's (SPEC §2.7) under `vision_tower.` / `mm_projector.`.
+`varlen_attention` (one SDPA call per image) is the fast path; `varlen_attention_reference` (dense masked
+softmax over the whole pack) is its reference. `apply_rope_2d` has `apply_rope_2d_reference` (complex
+multiply).
+Parameter names are the checkpoint's (docs/spec_vision.md#tensors) under `vision_tower.` / `mm_projector.`.
 """
 
 from __future__ import annotations
@@ -80,7 +82,7 @@ def apply_rope_2d(q: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
     return torch.stack([a * cos - b * sin, a * sin + b * cos], dim=-1).flatten(-2).to(q.dtype)
 
 
-def apply_rope_2d_ref(q: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
+def apply_rope_2d_reference(q: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
     """Reference of `apply_rope_2d`: complex multiplication by exp(i * angle)."""
     z = torch.view_as_complex(q.double().reshape(*q.shape[:-1], -1, 2).contiguous())
     rot = torch.polar(torch.ones_like(angles, dtype=torch.float64), angles.double())[:, None, :]
@@ -100,7 +102,7 @@ def varlen_attention(
     return out
 
 
-def varlen_attention_ref(
+def varlen_attention_reference(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor
 ) -> torch.Tensor:
     """Reference of `varlen_attention`: one dense fp32 softmax over the pack with a block-diagonal mask."""

@@ -1,4 +1,4 @@
-"""Attention Residuals aggregation over depth (SPEC §3.2).
+"""Attention Residuals aggregation over depth (docs/spec.md#attnres).
 
 Given n source vectors per token v_0..v_{n-1} (completed block representations and the running partial
 sum), a pseudo-query w [D] and a key-norm weight gamma [D], computed in fp32:
@@ -7,7 +7,7 @@ sum), a pseudo-query w [D] and a key-norm weight gamma [D], computed in fp32:
     alpha = softmax_i(s)
     out = sum_i alpha_i * v_i        (the mixture is over the RAW sources; cast back to the input dtype)
 
-`attn_res_naive` is the plain per-source reference; `attn_res` the fast path (without autograd on fp32
+`attn_res_reference` is the plain per-source reference; `attn_res` the fast path (without autograd on fp32
 CPU tensors one native pass, `attn_res_native`; else stacked for small sources, streamed source by source
 for large ones). Same signature; tests compare them forward and backward.
 """
@@ -19,7 +19,7 @@ from k3.ops import native
 ATTN_RES_EPS = 1e-5
 
 
-def attn_res_naive(
+def attn_res_reference(
     sources: list[torch.Tensor], query: torch.Tensor, norm_weight: torch.Tensor, eps: float = ATTN_RES_EPS
 ) -> torch.Tensor:
     """sources: n tensors [..., D] (same shape/dtype); query, norm_weight: [D] -> [..., D]."""
@@ -42,7 +42,7 @@ STREAM_MIN_ELEMENTS = 1 << 16  # `attn_res`: sources at least this large take th
 def attn_res(
     sources: list[torch.Tensor], query: torch.Tensor, norm_weight: torch.Tensor, eps: float = ATTN_RES_EPS
 ) -> torch.Tensor:
-    """Fast path of `attn_res_naive` (same signature and result). Small sources (decode rows) are stacked
+    """Fast path of `attn_res_reference` (same signature and result). Small sources (decode rows) are stacked
     and scored in one pass of a few ops; large ones (prefill) are scored and mixed source by source, two
     reads each (a mat-vec and a norm) and no [n, ..., D] stack or squared copy: the stack of three
     512 x 256 sources outgrows a 512 KB L2 and every pass over it then runs from L3 (k3-tiny prefill:

@@ -1,4 +1,4 @@
-"""Depthwise causal short convolution + SiLU, the token-shift in front of KDA's q, k, v (SPEC §3.4).
+"""Depthwise causal short convolution + SiLU, the token-shift in front of KDA's q, k, v (docs/spec.md#kda).
 
 Shapes: B batch, T tokens, C channels (= H*K or H*V), W kernel width (4), N documents.
 
@@ -15,7 +15,7 @@ state is kept in u's dtype (the model dtype).
 `causal_conv1d` (one native pass without autograd; else W shifted multiply-adds over the history-padded
 sequence, token-major; packed documents go through F.conv1d, separated by their own W-1 history columns
 so nothing crosses a boundary) and
-`causal_conv1d_update` (one decode step) are the fast paths; `causal_conv1d_ref` is the plain per-token
+`causal_conv1d_update` (one decode step) are the fast paths; `causal_conv1d_reference` is the plain per-token
 loop with the same signature that tests compare to.
 """
 
@@ -154,7 +154,7 @@ def causal_conv1d_update(
     return y.view_as(u), x[:, :, 1:]
 
 
-def causal_conv1d_ref(
+def causal_conv1d_reference(
     u: torch.Tensor,
     weight: torch.Tensor,
     initial_state: torch.Tensor | None = None,

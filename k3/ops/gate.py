@@ -1,4 +1,5 @@
-"""The KDA forget gate: per (head, key channel) log-decay g, so the retention is alpha = exp(g) (SPEC §3.4).
+"""The KDA forget gate: per (head, key channel) log-decay g, so the retention is alpha = exp(g)
+(docs/spec.md#kda).
 
 Shapes: B batch, T tokens, H heads, K key channels per head.
 
@@ -7,8 +8,8 @@ Two forms, chosen by `gate_lower_bound`:
     safe (K3, lower_bound lb in [-5, 0)):  g = lb * sigmoid(exp(A_log[h]) * (z + dt_bias[h, c]))  in (lb, 0)
     Kimi-Linear (lower_bound None):        g = -exp(A_log[h]) * softplus(z + dt_bias[h, c])       in (-inf, 0)
 
-`A_log` is per head ([H]); the checkpoint's zero-padded [128] layout (SPEC §8.1) is cut to [H] by the
-checkpoint adapter, not here. The bounded form keeps exp(+-cumsum(g)) inside a chunk well-scaled, which
+`A_log` is per head ([H]); the checkpoint's zero-padded [128] layout (docs/spec.md#choices) is cut to [H] by
+the checkpoint adapter, not here. The bounded form keeps exp(+-cumsum(g)) inside a chunk well-scaled, which
 is what lets the chunked KDA kernel use small tensor-core sub-chunks. Everything is computed in fp32; the
 safe form without autograd runs as one native pass where the kernel is built.
 """

@@ -1,4 +1,4 @@
-"""Gated RMSNorm on the KDA output (SPEC §3.4): normalize per head, scale, then gate with sigmoid.
+"""Gated RMSNorm on the KDA output (docs/spec.md#kda): normalize per head, scale, then gate with sigmoid.
 
     y = (o / sqrt(mean_V(o^2) + eps)) * weight * sigmoid(gate)      (normalize-then-gate)
 

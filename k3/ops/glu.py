@@ -1,4 +1,4 @@
-"""Gated linear units: K3's SiTU-GLU (SPEC §3.6) and SwiGLU.
+"""Gated linear units: K3's SiTU-GLU (docs/spec.md#situ-glu) and SwiGLU.
 
     SiTU(g, u) = β₁·tanh(g/β₁)·σ(g) · β₂·tanh(u/β₂),   β₁ = 4, β₂ = 25 in the release
 

@@ -1,4 +1,4 @@
-"""Multi-head latent attention (MLA) references as pure functions (SPEC §3.5).
+"""Multi-head latent attention (MLA) references as pure functions (docs/spec.md#mla).
 
 Letters: B batch, T queries, S keys (cache + new tokens), H heads, Dn = qk_nope_head_dim,
 Dr = qk_rope_head_dim, Dv = v_head_dim, R = kv_lora_rank.
@@ -11,7 +11,7 @@ Every key/value is a function of one per-token latent: the normed `c_kv` [R] plu
 
 Three equal ways to compute the same attention:
 
-* `mla_attention_naive`    materializes k_nope/v per head (the reference); `mla_attention_causal` is the
+* `mla_attention_reference` materializes k_nope/v per head (the reference); `mla_attention_causal` is the
   same by query blocks that skip the masked keys (training, prefill);
 * `mla_attention_absorbed` folds W_UK into the query (q_lat = W_UK^T q_nope, [H, R]) and W_UV into the
   output, so it attends over the [S, R+Dr] latent directly: MQA with one shared 576-dim key (decode);
@@ -62,7 +62,7 @@ def _softmax_fp32(scores: torch.Tensor, mask: torch.Tensor | None) -> torch.Tens
     return scores.softmax(dim=-1)
 
 
-def mla_attention_naive(
+def mla_attention_reference(
     q_nope: torch.Tensor,
     q_pe: torch.Tensor,
     k_nope: torch.Tensor,
@@ -95,9 +95,9 @@ def mla_attention_causal(
     mask: torch.Tensor,
     block: int | None = None,
 ) -> torch.Tensor:
-    """`mla_attention_naive` for a causal mask, by query blocks (same result; the prefill path).
+    """`mla_attention_reference` for a causal mask, by query blocks (same result; the prefill path).
 
-    Shapes as in `mla_attention_naive`; `mask` [B or 1, T, S] must be causal in the cache convention
+    Shapes as in `mla_attention_reference`; `mask` [B or 1, T, S] must be causal in the cache convention
     (query t never sees a key past S - T + t; a ragged or document mask only hides more). Query block
     [a, b) then attends keys [0, S - T + b) only: the fully masked upper-right part of the scores is never
     computed (~half of them at T == S), and each block's [B, H, block, <= S] scores stay in cache across

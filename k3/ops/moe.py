@@ -5,18 +5,20 @@ width 3584 in Stable LatentMoE, the model width D in plain MoE), I the expert in
 tokens of one optimizer step (all micro-batches).
 
 * `route` — sigmoid scores, top-k *selection* on `score + bias`, combine weights from the *unbiased*
-  scores (renormalized over the chosen k, times `routed_scaling_factor`) (SPEC §3.7 steps 1-3).
-* `experts_naive` / `experts_grouped` — `u_t = Σ_i p_ti · E_i(z_t)` with `E_i(z) = w2_i·GLU(w1_i z, w3_i z)`
-  on stacked weights w1 [E, I, Dl] (gate), w3 [E, I, Dl] (up), w2 [E, Dl, I] (down). The naive one runs
-  every expert on every token and masks (the reference); the grouped one sorts the T·k token-slots by
-  expert and runs each expert once on its contiguous slice. Same signature; both accumulate in fp32.
+  scores (renormalized over the chosen k, times `routed_scaling_factor`) (docs/spec.md#latentmoe steps 1-3).
+* `experts_reference` / `experts_grouped` — `u_t = Σ_i p_ti · E_i(z_t)` with
+  `E_i(z) = w2_i·GLU(w1_i z, w3_i z)` on stacked weights w1 [E, I, Dl] (gate), w3 [E, I, Dl] (up),
+  w2 [E, Dl, I] (down). The reference runs every expert on every token and masks; the grouped one
+  sorts the T·k token-slots by expert and runs each expert once on its contiguous slice. Same
+  signature; both accumulate in fp32.
   `experts_active` (one GLU call for all slots; decode skips the sort) is the inference fast path and
   `experts_auto` (the modules' default) picks it or grouped; `experts_native` is the same loop as one C
   call (fp32 CPU, no autograd: the CPU engine's path); `experts_padded` runs all experts as batched
   matmuls over a capacity-padded layout (for accelerators); `experts_gathered` copies the chosen
   experts' weights and needs no host read (what a compiled decode step traces).
-* `quantile_balance_bias` — Quantile Balancing (SPEC §4.1), exact single-process form; docs/architecture.md
-  for the derivation and the rule for a non-integer target load q = m·k/E.
+* `quantile_balance_bias` — Quantile Balancing (docs/spec_training.md#quantile-balancing), exact
+  single-process form; docs/architecture.md for the derivation and the rule for a non-integer target load q =
+  m·k/E.
 * `sign_update_bias` — DeepSeek-V3's auxiliary-loss-free sign update, the ablation alternative.
 """
 
@@ -53,7 +55,7 @@ def route(
     num_expert_group: int = 1,
     topk_group: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Sigmoid router with bias-corrected selection (SPEC §3.7 steps 1-3).
+    """Sigmoid router with bias-corrected selection (docs/spec.md#latentmoe steps 1-3).
 
     logits_TE [T, E] (fp32; upcast otherwise), bias_E [E] (`e_score_correction_bias`) ->
     weights_Tk [T, k] fp32, indices_Tk [T, k] int64, scores_TE [T, E] fp32 (= sigmoid(logits)).
@@ -116,7 +118,7 @@ def expert_mlp(
     return F.linear(act(F.linear(x, w1), F.linear(x, w3)), w2)
 
 
-def experts_naive(z, weights, indices, w1, w2, w3, act: GLUFn) -> torch.Tensor:
+def experts_reference(z, weights, indices, w1, w2, w3, act: GLUFn) -> torch.Tensor:
     """Reference: every expert on every token, weighted by p (0 where not chosen).
 
     z [T, Dl], weights [T, k] fp32, indices [T, k], w1/w3 [E, I, Dl], w2 [E, Dl, I] -> u [T, Dl] in z's
@@ -131,7 +133,7 @@ def experts_naive(z, weights, indices, w1, w2, w3, act: GLUFn) -> torch.Tensor:
 
 
 def experts_grouped(z, weights, indices, w1, w2, w3, act: GLUFn) -> torch.Tensor:
-    """Fast path, same signature and result as `experts_naive`.
+    """Fast path, same signature and result as `experts_reference`.
 
     Sort the T·k token-slots by expert, gather their inputs once, run each expert that received tokens
     on its contiguous slice, then scatter-add `p · E_i(z)` back to the tokens in fp32. Reading the
@@ -161,7 +163,7 @@ ACTIVE_MAX_ELEMENTS = 1 << 18  # `experts_auto`: one GLU over all slots while [T
 
 
 def experts_active(z, weights, indices, w1, w2, w3, act: GLUFn) -> torch.Tensor:
-    """Inference fast path, same signature and result as `experts_naive`.
+    """Inference fast path, same signature and result as `experts_reference`.
 
     `experts_grouped` with one GLU call over all token-slots instead of one per expert: per active expert
     only its two input mat-muls and its down mat-mul. A single token (decode) skips the sort, since its
@@ -218,7 +220,7 @@ def _experts_kernel(z, weights, w1, w2, w3, act: GLUFn):
 
 
 def experts_native(z, weights, indices, w1, w2, w3, act: GLUFn) -> torch.Tensor | None:
-    """Inference fast path, same signature and result as `experts_naive` (to fp32 rounding), or None when
+    """Inference fast path, same signature and result as `experts_reference` (to fp32 rounding), or None when
     the inputs do not fit the kernel (see `_experts_kernel`; the caller then takes a torch path).
 
     The slots are sorted by expert as in `experts_grouped`; then one C call (`k3/ops/csrc/moe_experts.c`)
@@ -254,7 +256,7 @@ def experts_native(z, weights, indices, w1, w2, w3, act: GLUFn) -> torch.Tensor 
 
 
 def experts_gathered(z, weights, indices, w1, w2, w3, act: GLUFn) -> torch.Tensor:
-    """Fast path without host reads, same signature and result as `experts_naive`: copies the chosen
+    """Fast path without host reads, same signature and result as `experts_reference`: copies the chosen
     experts' weights ([T·k, I, Dl] each of w1, w3, w2) and runs three batched matmuls, one row per
     token-slot. Static shapes and no data-dependent Python, so `torch.compile` traces it whole (the
     compiled decode step, k3.infer.decode_step); the copies make it a path for a few slots only."""
@@ -280,7 +282,7 @@ def _slot_layout(indices: torch.Tensor, num_experts: int) -> tuple[torch.Tensor,
 
 
 def experts_padded(z, weights, indices, w1, w2, w3, act: GLUFn) -> torch.Tensor:
-    """Fast path for many token-slots, same signature and result as `experts_naive`.
+    """Fast path for many token-slots, same signature and result as `experts_reference`.
 
     Scatters the slots into a capacity-padded [E, C, Dl] batch (C = the largest expert load) and runs all
     experts at once as three batched matmuls on the stacked weights (no per-expert loop); padding rows
@@ -302,7 +304,7 @@ def experts_padded(z, weights, indices, w1, w2, w3, act: GLUFn) -> torch.Tensor:
 
 
 def experts_auto(z, weights, indices, w1, w2, w3, act: GLUFn) -> torch.Tensor:
-    """The fastest exact path by size and mode (same signature and result as `experts_naive`): with
+    """The fastest exact path by size and mode (same signature and result as `experts_reference`): with
     autograd, or when the slots' [T·k, I] activations outgrow ACTIVE_MAX_ELEMENTS, `experts_grouped`
     (its per-expert GLU stays in cache); without autograd `experts_native` where it runs (fp32 CPU,
     the kernel built), else `experts_active` (decode, short prefill chunks), or `experts_gathered` while
@@ -321,7 +323,7 @@ def experts_auto(z, weights, indices, w1, w2, w3, act: GLUFn) -> torch.Tensor:
 
 
 EXPERT_IMPLS = {
-    "naive": experts_naive,
+    "reference": experts_reference,
     "grouped": experts_grouped,
     "active": experts_active,
     "padded": experts_padded,
@@ -341,8 +343,9 @@ def _rank_value(desc_nE: torch.Tensor, rank: float) -> torch.Tensor:
 
 @torch.no_grad()
 def quantile_balance_bias(scores_mE: torch.Tensor, bias_E: torch.Tensor, top_k: int) -> torch.Tensor:
-    """Quantile Balancing (SPEC §4.1), exact form: scores_mE [m, E] (unbiased sigmoid scores of the step),
-    bias_E [E] (the bias they were routed with), top_k -> new bias [E] fp32 (mean zero).
+    """Quantile Balancing (docs/spec_training.md#quantile-balancing), exact form: scores_mE [m, E] (unbiased
+    sigmoid scores of the step), bias_E [E] (the bias they were routed with), top_k -> new bias [E] fp32 (mean
+    zero).
 
     c_t = (k+1)-th largest of s_t + b; μ_tj = s_tj - c_t; q = m·k/E; τ_j = the margin of expert j at
     0-indexed descending rank q, linearly interpolated between ranks ⌊q⌋ and ⌈q⌉ (for integer q: the

@@ -1,4 +1,5 @@
-"""RMSNorm as the release computes it (SPEC §3): normalize in fp32, cast back, then scale by the weight.
+"""RMSNorm as the release computes it (docs/spec.md#forward): normalize in fp32, cast back, then scale by the
+weight.
 
 `rms_norm_reference` is the plain torch form; `rms_norm` the fast path with the same signature and
 result (to fp32 rounding): without autograd on fp32 CPU tensors one native pass per row

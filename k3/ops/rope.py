@@ -1,6 +1,6 @@
 """Rotary position embedding, used only by the K2-style MLA ablation (`mla_use_nope=False`).
 
-K3 itself has no positional encoding in the trunk (SPEC §3.5): q_pe/k_pe stay un-rotated. With the
+K3 itself has no positional encoding in the trunk (docs/spec.md#mla): q_pe/k_pe stay un-rotated. With the
 ablation on, q_pe and the shared k_pe are rotated by their token position with base `rope_theta`.
 
 Convention: the "half-split" pairing, channel i rotates with channel i + Dr/2 at frequency

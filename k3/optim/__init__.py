@@ -1,4 +1,5 @@
-"""Optimizer maths and state for K3; knows nothing about the model (SPEC sections 4.2, 4.3).
+"""Optimizer maths and state for K3; knows nothing about the model (docs/spec_training.md#per-head-muon,
+docs/spec_training.md#qk-clip).
 
 * ``muon``     -- Per-Head Muon: ``newton_schulz``, ``muon_update``, ``orthogonalize``, ``update_scale``
                   (pure) and the ``Muon`` optimizer. AdamW (torch's) takes every other parameter.

@@ -6,11 +6,11 @@ iterations of the quintic X <- a X + (b A + c A^2) X, A = X X^T, coefficients (3
 Moonlight / K2 ("Muon is Scalable for LLM Training", arXiv 2502.16982) multiply the orthogonalised
 update by 0.2 * sqrt(max(rows, cols)) so its RMS matches AdamW's (~0.2), and use decoupled weight decay.
 
-K3's "Per-Head Muon" (SPEC section 4.2) orthogonalises each attention head's block of a head-structured
-projection on its own: ``head_split=(0, H)`` cuts the rows into H equal blocks (q_b_proj [H*192, r] ->
-H x [192, r]), ``head_split=(1, H)`` cuts the columns (o_proj [D, H*128] -> H x [D, 128]). Blocks are
-orthogonalised as one batched Newton-Schulz call. 3-D parameters [E, out, in] (stacked routed experts)
-are E independent matrices; a head split, if given, then applies to each expert's (out, in).
+K3's "Per-Head Muon" (docs/spec_training.md#per-head-muon) orthogonalises each attention head's block of
+a head-structured projection on its own: ``head_split=(0, H)`` cuts the rows into H equal blocks (q_b_proj
+[H*192, r] -> H x [192, r]), ``head_split=(1, H)`` cuts the columns (o_proj [D, H*128] -> H x [D, 128]).
+Blocks are orthogonalised as one batched Newton-Schulz call. 3-D parameters [E, out, in] (stacked routed
+experts) are E independent matrices; a head split, if given, then applies to each expert's (out, in).
 
 Numerics match ``torch.optim.Muon`` (torch 2.13, ``adjust_lr_fn="match_rms_adamw"``) exactly when head
 splitting is off and ``ns_dtype=torch.bfloat16``: same EMA momentum (buf.lerp_(g, 1 - mu)), same Nesterov
@@ -19,8 +19,8 @@ addmm-style iteration, weight decay with the un-adjusted lr. The only difference
 ``ns_dtype=torch.float32`` (torch always iterates in bf16): the K3 spec asks for fp32 reductions, and at
 our sizes the fp32 iteration is cheap next to the forward/backward. The momentum buffer is kept in fp32.
 
-Layout (STYLE convention 12): pure maths (``newton_schulz``, ``muon_update``, ``orthogonalize``,
-``update_scale``) first, the stateful ``Muon`` class last.
+Layout (CONTRIBUTING.md#optimizer-maths-apart): pure maths (``newton_schulz``, ``muon_update``,
+``orthogonalize``, ``update_scale``) first, the stateful ``Muon`` class last.
 """
 
 import math

@@ -1,4 +1,4 @@
-"""QK-Clip (Kimi K2, arXiv 2507.20534; SPEC section 4.3): cap each MLA head's attention logits by
+"""QK-Clip (Kimi K2, arXiv 2507.20534; docs/spec_training.md#qk-clip): cap each MLA head's attention logits by
 rescaling its query/key weights after the optimizer step.
 
 For head h with largest pre-softmax logit S_max^h seen in the step, gamma_h = min(1, tau / S_max^h).

@@ -1,6 +1,6 @@
 """Learning-rate schedules as pure functions of the step, returning a multiplier in [0, 1].
 
-K3 (SPEC section 4.2, via secondary notes on the report): 1 % linear warm-up, then cosine decay.
+K3 (docs/spec_training.md#schedule): 1 % linear warm-up, then cosine decay.
 WSD (warmup-stable-decay, MiniCPM arXiv 2404.06395) is the usual alternative for open-ended runs.
 
 Conventions shared by both schedules, for steps 0, 1, ..., total - 1:

@@ -4,8 +4,8 @@
     2. Quantile Balancing    Router -> HistogramRouter summing over every rank      (module swap)
     3. FSDP2                 fully_shard per decoder layer (+ experts on mesh.dp), then the root
 
-The model code stays single-device (STYLE convention 4); everything distributed is in k3/parallel.
-Build the model and initialise it identically on every rank before calling this (fine up to a few
+The model code stays single-device (CONTRIBUTING.md#single-device-model-code); everything distributed is in
+k3/parallel. Build the model and initialise it identically on every rank before calling this (fine up to a few
 billion parameters; beyond that build on the meta device and initialise after sharding: future work).
 """
 

@@ -1,4 +1,4 @@
-"""Quantile Balancing across ranks, the scalable histogram form (SPEC §4.1).
+"""Quantile Balancing across ranks, the scalable histogram form (docs/spec_training.md#quantile-balancing).
 
 The exact form (k3.ops.moe.quantile_balance_bias) needs every margin of the step's m tokens in one
 place. Across ranks each router instead keeps, per expert, a histogram of its margins

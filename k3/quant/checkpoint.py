@@ -1,4 +1,5 @@
-"""MXFP4 routed-expert checkpoints in the release's compressed-tensors layout (SPEC §1, §2.5, §2.6).
+"""MXFP4 routed-expert checkpoints in the release's compressed-tensors layout (docs/spec.md#config,
+docs/spec.md#tensors, docs/spec.md#mxfp4).
 
 In the release every routed-expert matrix `...block_sparse_moe.experts.{e}.w{1,2,3}` is stored as
 
@@ -41,7 +42,7 @@ from k3.model.moe import RoutedExperts
 from k3.quant.mx import BLOCK_SIZE, dequantize_mx, quantize_mx
 from k3.quant.packed import pack_model_experts
 
-# The release's text_config.quantization_config, verbatim (SPEC §1.1).
+# The release's text_config.quantization_config, verbatim (docs/spec.md#config).
 MXFP4_QUANTIZATION_CONFIG = {
     "config_groups": {
         "group_0": {

@@ -1,8 +1,8 @@
 """`k3 quantize IN_DIR OUT_DIR`: post-training MXFP4 quantization of a checkpoint's routed experts.
 
 Reads a high-precision checkpoint (config.json + safetensors, official layout), writes the release's layout:
-routed experts as MXFP4 `weight_packed` / `weight_scale` (SPEC §2.6), `quantization_config` added to the
-config, every other tensor in `--dtype` (BF16 by default, as the release; the F32 tensors stay F32), and
+routed experts as MXFP4 `weight_packed` / `weight_scale` (docs/spec.md#mxfp4), `quantization_config` added to
+the config, every other tensor in `--dtype` (BF16 by default, as the release; the F32 tensors stay F32), and
 the other files of IN_DIR (tokenizer, generation config, chat template, ...) copied along.
 """
 

@@ -1,4 +1,4 @@
-"""Inference with MXFP4 routed experts kept packed in memory (SPEC §2.6).
+"""Inference with MXFP4 routed experts kept packed in memory (docs/spec.md#mxfp4).
 
 `PackedRoutedExperts` replaces a `RoutedExperts` for serving. It holds each stacked expert weight as the
 release stores it, uint8 codes (two FP4 nibbles per byte) and uint8 E8M0 scales (one per 32 weights along
@@ -22,7 +22,7 @@ from torch import nn
 
 from k3.model.moe import RoutedExperts
 from k3.ops.glu import GLUFn
-from k3.ops.moe import EXPERT_IMPLS, expert_mlp, experts_naive
+from k3.ops.moe import EXPERT_IMPLS, expert_mlp, experts_reference
 from k3.quant.mx import BLOCK_SIZE, dequantize_mx, quantize_mx
 
 FMT = "mxfp4"
@@ -80,8 +80,8 @@ class PackedRoutedExperts(nn.Module):
     """Routed experts with MXFP4-packed w1/w2/w3; same forward as RoutedExperts.
 
     forward(z [T, Dl], weights [T, k], indices [T, k], impl=None) -> u [T, Dl] = Σ_i p_i E_i(z).
-    impl "grouped" (default) dequantizes per expert, only those with tokens; "naive" dequantizes every
-    expert and runs the reference `experts_naive`.
+    impl "grouped" (default) dequantizes per expert, only those with tokens; "reference" dequantizes every
+    expert and runs `experts_reference`.
     """
 
     def __init__(
@@ -113,9 +113,9 @@ class PackedRoutedExperts(nn.Module):
         impl = impl or self.impl
         if impl not in EXPERT_IMPLS:
             raise ValueError(f"impl must be one of {tuple(EXPERT_IMPLS)}, got {impl!r}")
-        if impl == "naive":
+        if impl == "reference":
             w1, w2, w3 = (w.dequantize(dtype=z.dtype) for w in (self.w1, self.w2, self.w3))
-            return experts_naive(z, weights, indices, w1, w2, w3, self.act)
+            return experts_reference(z, weights, indices, w1, w2, w3, self.act)
         return self._grouped(z, weights, indices)
 
     def _grouped(self, z: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:

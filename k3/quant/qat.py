@@ -1,4 +1,5 @@
-"""Quantization-aware training of the routed experts by module swap (SPEC §2.6, §4.4).
+"""Quantization-aware training of the routed experts by module swap (docs/spec.md#mxfp4,
+docs/spec_training.md#qat).
 
 K3 was trained from SFT on with MXFP4 routed-expert weights and MXFP8 activations, so that the MXFP4
 release loses nothing. `convert_qat(model)` replaces every `RoutedExperts` with a `QATRoutedExperts`

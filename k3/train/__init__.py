@@ -1,7 +1,7 @@
 """Training K3 models: the K3 recipe end to end.
 
 * ``config``        TrainConfig + recipe functions (the `k3 train` demo, K3 / K2 recipes, a nano smoke run)
-* ``param_groups``  Per-Head Muon vs AdamW routing (SPEC §4.2) with a coverage check
+* ``param_groups``  Per-Head Muon vs AdamW routing (docs/spec_training.md#per-head-muon) with a coverage check
 * ``step``          one optimizer step: grad accumulation, NaN guard, clipping, QK-Clip, Quantile Balancing
 * ``trainer``       the loop: time budget, eval / checkpoint cadence, Ctrl-C, resume
 * ``checkpointing`` atomic, pickle-free training checkpoints (model, optimizers, RNG, data position)

@@ -1,8 +1,8 @@
 """TrainConfig: everything a training run needs besides the model config, plus named recipes.
 
 A run is `TrainConfig` (this file) + `K3Config` (k3/config.py, the preset with `model_overrides`
-applied). Recipes are Python functions returning a TrainConfig (torchtitan style, STYLE §9); the CLI
-is a thin, flat override of their fields (`k3 train --lr ...`).
+applied). Recipes are Python functions returning a TrainConfig (torchtitan style,
+CONTRIBUTING.md#configs-and-recipes); the CLI is a thin, flat override of their fields (`k3 train --lr ...`).
 
 Defaults are tuned for the `k3 train` demo: k3-mini on the stdlib for 10 minutes on 2 CPU cores
 (the sweep behind them: docs/training.md).
@@ -132,7 +132,7 @@ class TrainConfig:
         changes = dict(self.model_overrides)
         if self.vocab_size is not None:
             changes["vocab_size"] = self.vocab_size
-        if "vocab_size" in changes:  # the reserved block sits at the top of the vocab (SPEC §6.1)
+        if "vocab_size" in changes:  # reserved block at the top of the vocab (docs/spec_text.md#tokenizer)
             base = changes["vocab_size"] - 256
             changes.update(bos_token_id=base, eos_token_id=base + 2, pad_token_id=base + 255)
         unknown = sorted(set(changes) - {f.name for f in dataclasses.fields(K3Config)})

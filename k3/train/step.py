@@ -3,8 +3,10 @@
     for each of grad_accum micro-batches:  loss = CE(model(batch)) / grad_accum;  loss.backward()
     non-finite loss or grad norm          -> drop the gradients and the routers' records, skip the step
     clip the global grad norm, optimizers step
-    QK-Clip (K2, SPEC §4.3): each MLA layer's q_b_proj / kv_b_proj scaled so its heads' max logit <= tau
-    Quantile Balancing (SPEC §4.1): every router's update_bias(), once, from all micro-batches' scores
+    QK-Clip (K2, docs/spec_training.md#qk-clip): each MLA layer's q_b_proj / kv_b_proj scaled so its
+        heads' max logit <= tau
+    Quantile Balancing (docs/spec_training.md#quantile-balancing): every router's update_bias(), once,
+        from all micro-batches' scores
 
 Every reduction, the clip, QK-Clip's weight edit and the router update go through `runtime`
 (k3.train.runtime.LocalRuntime by default; k3.parallel.runtime.DistributedRuntime under torchrun), so

@@ -1,6 +1,6 @@
-"""Save / load a K3 vision-language checkpoint in the official layout (SPEC §2): `language_model.*`,
-`vision_tower.*`, `mm_projector.*` tensors, a multimodal config.json (`text_config` + `vision_config`),
-`preprocessor_config.json` (`media_proc_cfg`) and the tokenizer files beside them.
+"""Save / load a K3 vision-language checkpoint in the official layout (docs/spec.md#tensors):
+`language_model.*`, `vision_tower.*`, `mm_projector.*` tensors, a multimodal config.json (`text_config` +
+`vision_config`), `preprocessor_config.json` (`media_proc_cfg`) and the tokenizer files beside them.
 
 The text part goes through `k3.checkpoint` (to_official / from_official); the vision tensors are written
 and read unchanged (their in-memory names are the official ones).

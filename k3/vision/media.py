@@ -1,4 +1,5 @@
-"""Media placeholder expansion (SPEC §5.4): token ids around each image, and the count checks.
+"""Media placeholder expansion (docs/spec_vision.md#placement): token ids around each image, and the count
+checks.
 
 The chat renderer writes the plain text `<|kimi_image_placeholder|>` once per image. Before the model
 runs, each occurrence becomes

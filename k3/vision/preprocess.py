@@ -1,4 +1,5 @@
-"""Native-resolution image pre-processing for MoonViT (SPEC §5.1): budgeted resize, pad, normalise, patchify.
+"""Native-resolution image pre-processing for MoonViT (docs/spec_vision.md#preprocessing): budgeted resize,
+pad, normalise, patchify.
 
 No fixed resize: an image keeps its own aspect ratio and resolution unless it exceeds the patch budget.
 
@@ -7,7 +8,7 @@ No fixed resize: an image keeps its own aspect ratio and resolution unless it ex
 2. pad right/bottom to a multiple of unit = patch_size * merge (28) -- shrinking a little more while
    the padded grid would still break a limit, so the *padded* grid obeys both limits;
 3. RGBA/LA/P-with-transparency images are composited onto an 8-px chessboard (255/180) after the resize;
-4. normalise (x/255 - mean)/std; padding is 0 in the normalised space [U: the pad value is not in SPEC];
+4. normalise (x/255 - mean)/std; padding is 0 in the normalised space [U: no source states the pad value];
 5. cut into patches [N, 3, p, p] in row-major order of the (grid_h, grid_w) grid, grid_thw = (1, h, w).
 
 The LLM sees (h/2)*(w/2) tokens per image (`num_image_tokens`). The server and the data pipeline call the
@@ -44,7 +45,8 @@ class ImageInput:
 
 
 def target_size(width: int, height: int, media: MediaProcConfig) -> tuple[int, int, int, int]:
-    """(resized W, resized H, grid_h, grid_w) for an upload of width x height (SPEC §5.1).
+    """(resized W, resized H, grid_h, grid_w) for an upload of width x height
+    (docs/spec_vision.md#preprocessing).
 
     grid_h * grid_w <= in_patch_limit and both <= patch_limit_on_one_side, grid sides even; no upscaling.
     """

@@ -6,9 +6,9 @@ Quantile-Balancing router updates); `k3 train --task vision` runs it with the k3
     k3 train --task vision --preset k3-tiny-vl --steps 1500 --batch-size 32 --out runs/tiny-vl
 
 Each sample is a chat turn in the XTML format with thinking off (`k3.chat_format`): the user message is
-`<|kimi_image_placeholder|>{question}` (expanded to the media tokens, SPEC §5.4), and the loss is on the
-assistant's response (`{answer}<|close|>response<|sep|><|close|>message<|sep|><|end_of_msg|>`), so the
-trained checkpoint answers through the same chat rendering the server uses. A fraction of samples ask
+`<|kimi_image_placeholder|>{question}` (expanded to the media tokens, docs/spec_vision.md#placement), and the
+loss is on the assistant's response (`{answer}<|close|>response<|sep|><|close|>message<|sep|><|end_of_msg|>`),
+so the trained checkpoint answers through the same chat rendering the server uses. A fraction of samples ask
 for the caption instead (`describe the image.`), trained but not scored.
 """
 

@@ -75,7 +75,8 @@ def test_official_names_and_shapes():
 
 
 def test_full_release_tensor_count_on_meta():
-    """SPEC §2: 497,220 tensors = text tensors with MXFP4 experts (packed + scale) + 168 vision tensors."""
+    """docs/spec.md#tensors: 497,220 tensors = text tensors with MXFP4 experts (packed + scale) + 168 vision
+    tensors."""
     c = preset("k3-full")
     off = to_official(fake_state_dict(c, device="meta"), c)
     experts = [n for n in off if ".experts." in n]

@@ -44,7 +44,7 @@ def test_every_loader_tensor_is_written_once_with_its_shape(tensors):
     assert tensors["token_embd.weight"].shape == (c.vocab_size, d)
     assert tensors["output.weight"].shape == (c.vocab_size, d)
     assert tensors["output_res_score.weight"].shape == (d,)
-    kda, mla = 0, c.num_hidden_layers - 1  # layer 0 is KDA, the last layer MLA (SPEC §1.1)
+    kda, mla = 0, c.num_hidden_layers - 1  # layer 0 is KDA, the last layer MLA (docs/spec.md#config)
     assert tensors[f"blk.{kda}.ssm_a"].shape == (la.num_heads,)
     assert tensors[f"blk.{kda}.ssm_conv1d_q.weight"].shape == (1, inner, 1, la.short_conv_kernel_size)
     assert tensors[f"blk.{kda}.ssm_g.weight"].shape == (inner, d)

@@ -1,4 +1,4 @@
-"""KimiDeltaAttention.decode_step (the one-token fast path) against forward_reference."""
+"""KimiDeltaAttention.decode_step (the one-token fast path) against forward_chunked."""
 
 import pytest
 import torch

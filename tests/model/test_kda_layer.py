@@ -56,7 +56,7 @@ def test_parameter_names_shapes_dtypes():
 
 def test_full_size_parameter_count_on_meta():
     layer = KimiDeltaAttention(preset("k3-full"), layer_idx=0, device="meta")
-    assert sum(p.numel() for p in layer.parameters()) == 443_740_384  # SPEC §7.2
+    assert sum(p.numel() for p in layer.parameters()) == 443_740_384  # docs/spec.md#parameter-counts
 
 
 def test_reset_parameters_ranges():

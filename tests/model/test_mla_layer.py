@@ -51,7 +51,7 @@ def test_parameter_names_and_shapes():
 
 def test_full_size_parameter_count_on_meta():
     layer = MLAAttention(preset("k3-full"), layer_idx=3, device="meta")
-    assert sum(p.numel() for p in layer.parameters()) == 232_196_096  # SPEC §7.2
+    assert sum(p.numel() for p in layer.parameters()) == 232_196_096  # docs/spec.md#parameter-counts
     assert layer.kv_a_layernorm.eps == preset("k3-full").latent_norm_eps
 
 

@@ -10,7 +10,7 @@ from k3.config import preset
 from k3.model.mlp import GLUMLP
 from k3.model.moe import LatentMoE, RoutedExperts, Router, update_router_biases
 from k3.ops.glu import situ_glu
-from k3.ops.moe import expert_load, experts_naive
+from k3.ops.moe import expert_load, experts_reference
 
 NANO = preset("k3-nano")  # D 64, E 8, k 2, 1 shared expert, I 32, Dl 32
 
@@ -119,7 +119,7 @@ def _reference_forward(moe: LatentMoE, h: torch.Tensor) -> torch.Tensor:
     x = h.reshape(-1, h.shape[-1])
     w, idx = moe.gate(x)
     z = moe.routed_expert_down_proj(x) if moe.use_latent_moe else x
-    u = experts_naive(z, w, idx, moe.experts.w1, moe.experts.w2, moe.experts.w3, moe.experts.act)
+    u = experts_reference(z, w, idx, moe.experts.w1, moe.experts.w2, moe.experts.w3, moe.experts.act)
     y = u
     if moe.routed_expert_norm is not None:
         uf = u.float()
@@ -190,12 +190,12 @@ def test_latent_moe_checkpoint_names_and_shapes():
     assert plain["experts.w1"].shape == (E, I, D)
 
 
-def test_naive_impl_switch_matches():
+def test_reference_impl_switch_matches():
     torch.manual_seed(1)
     moe = LatentMoE(NANO)
     h = torch.randn(3, 5, NANO.hidden_size)
     y = moe(h)
-    moe.experts.impl = "naive"
+    moe.experts.impl = "reference"
     torch.testing.assert_close(moe(h), y, rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="impl"):
         moe.experts(torch.zeros(1, 32), torch.ones(1, 2), torch.zeros(1, 2, dtype=torch.long), impl="fast")

@@ -1,4 +1,5 @@
-"""Whole-model tests on k3-nano: SPEC §3.3 wiring, prefill+decode == full forward, causality, loss."""
+"""Whole-model tests on k3-nano: docs/spec.md#attnres wiring, prefill+decode == full forward, causality,
+loss."""
 
 import dataclasses
 
@@ -10,7 +11,7 @@ from k3.model.generate import generate
 from k3.model.init import init_weights
 from k3.model.state import ModelState
 from k3.model.transformer import K3ForCausalLM
-from k3.ops.attnres import attn_res_naive
+from k3.ops.attnres import attn_res_reference
 
 
 def build(**changes):
@@ -34,7 +35,7 @@ def rel_err(a, b):
 
 
 def reference_forward(model, ids):
-    """SPEC §3.3 written out literally with explicit R / P lists (independent of BlockStream)."""
+    """docs/spec.md#attnres written out literally with explicit R / P lists (independent of BlockStream)."""
     cfg = model.config
     P = model.model.embed_tokens(ids)
     R = []
@@ -42,7 +43,7 @@ def reference_forward(model, ids):
         h = (
             P
             if not R
-            else attn_res_naive(
+            else attn_res_reference(
                 R + [P], layer.self_attention_res_proj.weight[0], layer.self_attention_res_norm.weight
             )
         )
@@ -51,9 +52,9 @@ def reference_forward(model, ids):
             P = None
         a = layer.self_attn(layer.input_layernorm(h))
         P = a if P is None else P + a
-        h2 = attn_res_naive(R + [P], layer.mlp_res_proj.weight[0], layer.mlp_res_norm.weight)
+        h2 = attn_res_reference(R + [P], layer.mlp_res_proj.weight[0], layer.mlp_res_norm.weight)
         P = P + layer.ffn(layer.post_attention_layernorm(h2))
-    out = attn_res_naive(
+    out = attn_res_reference(
         R + [P], model.model.output_attn_res_proj.weight[0], model.model.output_attn_res_norm.weight
     )
     return model.lm_head(model.model.norm(out)), len(R)
@@ -70,7 +71,7 @@ def test_wiring_matches_spec_reference():
 def test_full_config_block_count():
     cfg = preset("k3-full")
     boundaries = [l for l in range(cfg.num_hidden_layers) if l % cfg.attn_res_block_size == 0]
-    assert boundaries == [0, 12, 24, 36, 48, 60, 72, 84]  # R ends with 8 entries (SPEC §3.3)
+    assert boundaries == [0, 12, 24, 36, 48, 60, 72, 84]  # R ends with 8 entries (docs/spec.md#attnres)
 
 
 @pytest.mark.parametrize(
@@ -170,8 +171,8 @@ def test_loss_and_backward():
     )
     torch.testing.assert_close(out.loss, ref)
     out.loss.backward()
-    # layer 0 has no completed block yet, so its first AttnRes mixture is the identity (SPEC §3.3 step 1);
-    # its parameters exist only because the checkpoint layout is uniform across layers
+    # layer 0 has no completed block yet, so its first AttnRes mixture is the identity (docs/spec.md#attnres
+    # step 1); its parameters exist only because the checkpoint layout is uniform across layers
     unused = {
         "model.layers.0.self_attention_res_norm.weight",
         "model.layers.0.self_attention_res_proj.weight",

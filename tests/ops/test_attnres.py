@@ -1,10 +1,11 @@
-"""AttnRes: fast stacked path == per-source reference, forward and backward; SPEC §3.2 properties."""
+"""AttnRes: fast stacked path == per-source reference, forward and backward; docs/spec.md#attnres
+properties."""
 
 import pytest
 import torch
 
 from k3.ops import attnres, native
-from k3.ops.attnres import attn_res, attn_res_naive, attn_res_native
+from k3.ops.attnres import attn_res, attn_res_native, attn_res_reference
 
 
 def _inputs(n, shape=(2, 5, 16), dtype=torch.float64, seed=0):
@@ -20,7 +21,7 @@ def _inputs(n, shape=(2, 5, 16), dtype=torch.float64, seed=0):
 def test_fast_matches_reference_fwd_bwd(n, shape):
     srcs, q, w = _inputs(n, shape)
     a = attn_res(srcs, q, w)
-    b = attn_res_naive(srcs, q, w)
+    b = attn_res_reference(srcs, q, w)
     torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)  # both compute in fp32
     if n == 1:
         return
@@ -58,7 +59,7 @@ def test_bf16_output_dtype():
 def test_streamed_no_grad_equals_reference():
     srcs, q, w = _inputs(3, (1, 1100, 64), dtype=torch.float32)
     with torch.no_grad():
-        torch.testing.assert_close(attn_res(srcs, q, w), attn_res_naive(srcs, q, w), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(attn_res(srcs, q, w), attn_res_reference(srcs, q, w), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize(("n", "shape"), [(2, (1, 7, 13)), (5, (2, 300, 256)), (9, (3, 64))])
@@ -74,7 +75,7 @@ def test_native_matches_reference_without_autograd(n, shape):
         qk = (w * q).reshape(-1)
         got = attn_res_native(srcs, qk, attnres.ATTN_RES_EPS)
         assert got is not None and got.shape == srcs[0].shape
-        ref = attn_res_naive([s.double() for s in srcs], q.double(), w.double())
+        ref = attn_res_reference([s.double() for s in srcs], q.double(), w.double())
         torch.testing.assert_close(got, ref.float(), rtol=1e-5, atol=1e-5 * ref.abs().max().item())
         torch.testing.assert_close(attn_res(srcs, q, w), got)  # the fast path takes it
         before = torch.get_num_threads()

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from k3.ops.conv import causal_conv1d, causal_conv1d_ref, causal_conv1d_update
+from k3.ops.conv import causal_conv1d, causal_conv1d_reference, causal_conv1d_update
 from k3.ops.gate import kda_gate
 from k3.ops.gated_norm import gated_rms_norm, gated_rms_norm_reference
 from k3.ops.norm import rms_norm, rms_norm_reference
@@ -79,7 +79,7 @@ def test_conv_fast_equals_ref_fwd_bwd(B, T, C, W, with_state):
     torch.manual_seed(0)
     u, w, s = _conv_inputs(B, T, C, W, with_state)
     y, fin = causal_conv1d(u, w, s)
-    y_r, fin_r = causal_conv1d_ref(u, w, s)
+    y_r, fin_r = causal_conv1d_reference(u, w, s)
     assert y.shape == (B, T, C) and fin.shape == (B, C, W - 1)
     assert_close("y", y_r, y, 1e-6)
     assert_close("final_state", fin_r, fin, 0)
@@ -113,7 +113,7 @@ def test_conv_varlen_equals_per_doc(with_state):
     w = torch.randn(C, 1, W, requires_grad=True)
     s = torch.randn(len(lens), C, W - 1, requires_grad=True) if with_state else None
     y, fin = causal_conv1d(u, w, s, cu_seqlens=cu)
-    y_r, fin_r = causal_conv1d_ref(u, w, s, cu_seqlens=cu)
+    y_r, fin_r = causal_conv1d_reference(u, w, s, cu_seqlens=cu)
     assert fin.shape == (len(lens), C, W - 1)
     assert_close("y vs ref", y_r, y, 1e-6)
     assert_close("final vs ref", fin_r, fin, 0)

@@ -1,5 +1,5 @@
-"""SiTU-GLU and SwiGLU (SPEC §3.6): bound, β → ∞ limit, dtype handling, finite gradients; the fused
-(exp-based, compiled) and native (C) SiTU against float64 and the reference."""
+"""SiTU-GLU and SwiGLU (docs/spec.md#situ-glu): bound, β → ∞ limit, dtype handling, finite gradients; the
+fused (exp-based, compiled) and native (C) SiTU against float64 and the reference."""
 
 import pytest
 import torch

@@ -10,10 +10,10 @@ import torch
 import torch.nn.functional as F
 
 import k3.ops.kda.recurrent as recurrent_module
-from k3.ops.kda import chunk_kda, naive_recurrent_kda, recurrent_kda
+from k3.ops.kda import chunk_kda, recurrent_kda, recurrent_kda_reference
 from k3.ops.kda.decay import pick_sub_chunk
 from k3.ops.kda.halves import MAX_HALF_DECAY, halves_fit
-from k3.ops.kda.solve import unit_lower_solve_, unit_lower_solve_ref
+from k3.ops.kda.solve import unit_lower_solve_, unit_lower_solve_reference_
 
 B, H, K, V = 2, 2, 32, 48
 FWD_TOL, GRAD_TOL = 1e-5, 1e-4
@@ -59,7 +59,7 @@ FWD_CASES += [(T, "safe", False) for T in (1, 63, 64, 65, 300)]
 @pytest.mark.parametrize("T, gate, h0", FWD_CASES, ids=lambda x: str(x))
 def test_forward_matches_naive(T, gate, h0):
     inputs, s0 = make_inputs(T, gate, h0=h0)
-    o_ref, s_ref = run(naive_recurrent_kda, inputs, s0)
+    o_ref, s_ref = run(recurrent_kda_reference, inputs, s0)
     for name, (o, s) in {
         "chunk64": run(chunk_kda, inputs, s0),
         "chunk32": run(chunk_kda, inputs, s0, chunk_size=32),
@@ -72,7 +72,7 @@ def test_forward_matches_naive(T, gate, h0):
 @pytest.mark.parametrize("chunk_size", [16, 128])
 def test_other_chunk_sizes(chunk_size):
     inputs, s0 = make_inputs(200, "safe")
-    o_ref, s_ref = run(naive_recurrent_kda, inputs, s0)
+    o_ref, s_ref = run(recurrent_kda_reference, inputs, s0)
     o, s = run(chunk_kda, inputs, s0, chunk_size=chunk_size)
     assert_close("o", o, o_ref, FWD_TOL)
     assert_close("state", s, s_ref, FWD_TOL)
@@ -83,7 +83,7 @@ def test_harsh_and_clamped_gates_stay_finite_and_exact():
     assert pick_sub_chunk(inputs[3].transpose(1, 2)[..., :64, :]) < 16  # the fallback is exercised
     for g in (inputs[3], torch.full_like(inputs[3], -5.0), torch.full_like(inputs[3], -100.0)):
         x = (*inputs[:3], g, inputs[4])
-        o_ref, s_ref = run(naive_recurrent_kda, x, s0)
+        o_ref, s_ref = run(recurrent_kda_reference, x, s0)
         o, s = run(chunk_kda, x, s0)
         assert_close("o", o, o_ref, FWD_TOL)
         assert_close("state", s, s_ref, FWD_TOL)
@@ -99,7 +99,7 @@ def test_halves_forward_path_near_its_decay_limit():
         assert halves_fit(torch.full((1, 64, K), per_token), True, 1.0) == (32 * -per_token <= MAX_HALF_DECAY)
         g = torch.full_like(inputs[3], per_token) + 0.05 * torch.rand_like(inputs[3])
         x = (*inputs[:3], g, inputs[4])
-        o_ref, s_ref = run(naive_recurrent_kda, x, s0)
+        o_ref, s_ref = run(recurrent_kda_reference, x, s0)
         o, s = run(chunk_kda, x, s0)
         assert_close("o", o, o_ref, FWD_TOL)
         assert_close("state", s, s_ref, FWD_TOL)
@@ -107,7 +107,7 @@ def test_halves_forward_path_near_its_decay_limit():
 
 def test_final_state_is_optional():
     inputs, s0 = make_inputs(70)
-    for fn in (chunk_kda, recurrent_kda, naive_recurrent_kda):
+    for fn in (chunk_kda, recurrent_kda, recurrent_kda_reference):
         o, s = fn(*inputs, initial_state=s0)
         assert s is None and o.shape == (B, 70, H, V)
 
@@ -116,14 +116,14 @@ CU = [0, 15, 100, 164, 300]
 
 
 @pytest.mark.parametrize("h0", [True, False])
-@pytest.mark.parametrize("fn", [chunk_kda, recurrent_kda, naive_recurrent_kda], ids=lambda f: f.__name__)
+@pytest.mark.parametrize("fn", [chunk_kda, recurrent_kda, recurrent_kda_reference], ids=lambda f: f.__name__)
 def test_varlen_equals_documents_alone(fn, h0):
     inputs, s0 = make_inputs(CU[-1], batch=1, n_states=len(CU) - 1, h0=h0)
     o, s = run(fn, inputs, s0, cu_seqlens=torch.tensor(CU))
     assert s.shape == (len(CU) - 1, H, K, V)
     for n, (a, b) in enumerate(zip(CU[:-1], CU[1:], strict=True)):
         doc = [x[:, a:b] for x in inputs]
-        o_ref, s_ref = run(naive_recurrent_kda, doc, None if s0 is None else s0[n : n + 1])
+        o_ref, s_ref = run(recurrent_kda_reference, doc, None if s0 is None else s0[n : n + 1])
         assert_close(f"doc {n} o", o[:, a:b], o_ref, FWD_TOL)
         assert_close(f"doc {n} state", s[n : n + 1], s_ref, FWD_TOL)
 
@@ -153,7 +153,7 @@ def test_chunk_gradients_match_naive(case):
     gen = torch.Generator().manual_seed(2)
     do, ds = torch.randn(B, T, H, V, generator=gen), torch.randn(B, H, K, V, generator=gen)
     naive_kw = {k: case[k] for k in ("use_qk_l2norm", "scale") if k in case}
-    ref = grads_of(naive_recurrent_kda, inputs, s0, do, ds, **naive_kw)
+    ref = grads_of(recurrent_kda_reference, inputs, s0, do, ds, **naive_kw)
     got = grads_of(chunk_kda, inputs, s0, do, ds, **case)
     for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0")[: len(ref)], got, ref, strict=True):
         assert_close(name, a, b, GRAD_TOL)
@@ -164,7 +164,7 @@ def test_varlen_gradients_match_naive():
     inputs, s0 = make_inputs(CU[-1], batch=1, n_states=len(CU) - 1, seed=3)
     gen = torch.Generator().manual_seed(4)
     do, ds = torch.randn(1, CU[-1], H, V, generator=gen), torch.randn(len(CU) - 1, H, K, V, generator=gen)
-    ref = grads_of(naive_recurrent_kda, inputs, s0, do, ds, cu_seqlens=cu)
+    ref = grads_of(recurrent_kda_reference, inputs, s0, do, ds, cu_seqlens=cu)
     for fn in (chunk_kda, recurrent_kda):
         got = grads_of(fn, inputs, s0, do, ds, cu_seqlens=cu)
         for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), got, ref, strict=True):
@@ -178,7 +178,7 @@ def test_only_final_state_or_only_output_used():
     _, s = chunk_kda(*leaves, initial_state=s0, output_final_state=True)
     (s * ds).sum().backward()
     ref = [x.clone().requires_grad_() for x in inputs]
-    _, s_ref = naive_recurrent_kda(*ref, initial_state=s0, output_final_state=True)
+    _, s_ref = recurrent_kda_reference(*ref, initial_state=s0, output_final_state=True)
     (s_ref * ds).sum().backward()
     assert ref[0].grad is None and not leaves[0].grad.any()  # q does not reach the state
     for name, a, b in zip(("dk", "dv", "dg", "dbeta"), leaves[1:], ref[1:], strict=True):
@@ -189,7 +189,7 @@ def test_no_l2norm_and_custom_scale_forward():
     inputs, s0 = make_inputs(80)
     inputs = (inputs[0] * 0.2, inputs[1] * 0.2, *inputs[2:])
     for kw in (dict(use_qk_l2norm=False), dict(scale=0.37), dict(use_qk_l2norm=False, scale=1.0)):
-        o_ref, s_ref = run(naive_recurrent_kda, inputs, s0, **kw)
+        o_ref, s_ref = run(recurrent_kda_reference, inputs, s0, **kw)
         for fn in (chunk_kda, recurrent_kda):
             o, s = run(fn, inputs, s0, **kw)
             assert_close(f"{fn.__name__} o {kw}", o, o_ref, FWD_TOL)
@@ -199,7 +199,7 @@ def test_no_l2norm_and_custom_scale_forward():
 def test_bf16_inputs_give_bf16_outputs():
     inputs, s0 = make_inputs(100)
     low = [x.bfloat16() for x in inputs]
-    o_ref, s_ref = run(naive_recurrent_kda, [x.float() for x in low], s0)
+    o_ref, s_ref = run(recurrent_kda_reference, [x.float() for x in low], s0)
     for fn in (chunk_kda, recurrent_kda):
         o, s = run(fn, low, s0)
         assert o.dtype == torch.bfloat16 and s.dtype == torch.float32
@@ -226,7 +226,7 @@ def test_recurrent_large_state_path():
     beta = torch.rand(1, 20, 4, generator=gen)
     s0 = torch.randn(1, 4, 128, 128, generator=gen)
     assert s0.numel() >= recurrent_module.MATVEC_BMM_MIN
-    o_ref, s_ref = run(naive_recurrent_kda, (*x, g, beta), s0)
+    o_ref, s_ref = run(recurrent_kda_reference, (*x, g, beta), s0)
     o, s = run(recurrent_kda, (*x, g, beta), s0)
     assert_close("o", o, o_ref, FWD_TOL)
     assert_close("state", s, s_ref, FWD_TOL)
@@ -263,7 +263,7 @@ def test_bad_inputs_raise_value_error_naming_the_argument():
             chunk_kda(*pos, **kw)
     one = [x[:1] for x in (q, k, v, g, beta)]
     for cu in ([0, 10, 19], [0, 12, 12, 20], [1, 20]):
-        for fn in (chunk_kda, recurrent_kda, naive_recurrent_kda):
+        for fn in (chunk_kda, recurrent_kda, recurrent_kda_reference):
             with pytest.raises(ValueError, match="cu_seqlens"):
                 fn(*one, cu_seqlens=torch.tensor(cu))
     with pytest.raises(ValueError, match="initial_state"):
@@ -296,7 +296,8 @@ def test_blocked_unit_lower_solve_matches_the_one_call_solve(C, transpose):
     want = torch.linalg.solve(I_A.mT if transpose else I_A, R)
     X = unit_lower_solve_(A, R.clone(), transpose)
     torch.testing.assert_close(X, want, rtol=1e-10, atol=1e-10)
-    torch.testing.assert_close(unit_lower_solve_ref(A, R.clone(), transpose), want, rtol=1e-10, atol=1e-10)
+    ref = unit_lower_solve_reference_(A, R.clone(), transpose)
+    torch.testing.assert_close(ref, want, rtol=1e-10, atol=1e-10)
     # in place on a column slice of a wider buffer, as chunk_kda calls it ([U | W] share one tensor)
     buf = torch.randn(6, C, 50, generator=g, dtype=torch.float64)
     buf[..., 10:] = R

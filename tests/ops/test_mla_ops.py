@@ -10,7 +10,7 @@ from k3.ops.mla import (
     mla_attention_blockwise,
     mla_attention_causal,
     mla_attention_latent,
-    mla_attention_naive,
+    mla_attention_reference,
     ragged_causal_mask,
     split_kv_b,
 )
@@ -42,7 +42,7 @@ def _inputs(B, T, S, seed=0):
 
 def _naive_from_latent(q_nope, q_pe, c_kv, k_pe, kv_b, scale, mask):
     kv = (c_kv @ kv_b.T).view(*c_kv.shape[:2], H, DN + DV)
-    return mla_attention_naive(q_nope, q_pe, kv[..., :DN], k_pe, kv[..., DN:], scale, mask)
+    return mla_attention_reference(q_nope, q_pe, kv[..., :DN], k_pe, kv[..., DN:], scale, mask)
 
 
 @pytest.mark.parametrize("B,T,S", [(2, 5, 5), (2, 1, 9), (1, 4, 11)], ids=lambda v: f"{v}")
@@ -170,7 +170,7 @@ def test_causal_blocks_equal_naive_fwd_bwd(T, S, block):
     doc = causal_mask(T, S, None, docs[:, S - T :], docs)
     for mask in (causal_mask(T, S), ragged, doc):
         leaves = [t.clone().requires_grad_() for t in (q_nope, q_pe, k_nope, k_pe, v)]
-        ref = mla_attention_naive(*leaves, 0.3, mask)
+        ref = mla_attention_reference(*leaves, 0.3, mask)
         lv = [t.clone().requires_grad_() for t in (q_nope, q_pe, k_nope, k_pe, v)]
         got = mla_attention_causal(*lv, 0.3, mask, block)
         assert_close("causal blocks", ref, got, 1e-5)

@@ -7,8 +7,8 @@ import torch
 from k3.ops.mla import (
     causal_mask,
     mla_attention_blockwise,
-    mla_attention_naive,
     mla_attention_over_blocks,
+    mla_attention_reference,
     query_positions,
     ragged_causal_mask,
     split_kv_b,
@@ -26,7 +26,7 @@ def _inputs(B, T, S, seed=0):
 
 def _naive(q_nope, q_pe, c_kv, k_pe, kv_b, mask):
     kv = (c_kv @ kv_b.T).view(*c_kv.shape[:2], H, DN + DV)
-    return mla_attention_naive(q_nope, q_pe, kv[..., :DN], k_pe, kv[..., DN:], SCALE, mask)
+    return mla_attention_reference(q_nope, q_pe, kv[..., :DN], k_pe, kv[..., DN:], SCALE, mask)
 
 
 def _rel_err(ref, got):

@@ -1,5 +1,5 @@
 """MoE inference fast paths (experts_active, experts_native, experts_padded, experts_gathered,
-experts_auto) against experts_naive."""
+experts_auto) against experts_reference."""
 
 import pytest
 import torch
@@ -11,9 +11,9 @@ from k3.ops.moe import (
     experts_auto,
     experts_gathered,
     experts_grouped,
-    experts_naive,
     experts_native,
     experts_padded,
+    experts_reference,
 )
 
 
@@ -37,7 +37,7 @@ def _case(T, k, E=8, I=16, Dl=12, seed=0, skew=False):
 def test_fast_experts_match_naive_forward_backward(fn, T, k, skew):
     z, weights, idx, w = _case(T, k, skew=skew)
     leaves = [t.requires_grad_() for t in (z, weights, *w)]
-    ref = experts_naive(z, weights, idx, *w, situ_glu)
+    ref = experts_reference(z, weights, idx, *w, situ_glu)
     got = fn(z, weights, idx, *w, situ_glu)
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
     gy = torch.randn_like(ref)
@@ -50,13 +50,13 @@ def test_fast_experts_match_naive_forward_backward(fn, T, k, skew):
 def test_fast_experts_bf16_and_repeated_experts():
     z, weights, idx, w = _case(4, 3)
     idx[:, 1] = idx[:, 0]  # a token may name an expert twice: both slots count
-    ref = experts_naive(z, weights, idx, *w, swiglu)
+    ref = experts_reference(z, weights, idx, *w, swiglu)
     for fn in (experts_active, experts_padded):
         torch.testing.assert_close(fn(z, weights, idx, *w, swiglu), ref, rtol=1e-5, atol=1e-5)
         zb, wb = z.bfloat16(), [t.bfloat16() for t in w]
         out = fn(zb, weights, idx, *wb, swiglu)
         assert out.dtype == torch.bfloat16
-        torch.testing.assert_close(out.float(), experts_naive(zb, weights, idx, *wb, swiglu).float(),
+        torch.testing.assert_close(out.float(), experts_reference(zb, weights, idx, *wb, swiglu).float(),
                                    rtol=2e-2, atol=2e-2)  # fmt: skip
 
 
@@ -105,7 +105,7 @@ def test_latent_moe_inference_matches_training_path(T):
         torch.nn.init.normal_(p, 0.0, 0.3)
     h = torch.randn(1, T, layer.gate.weight.shape[1])
     ref = layer(h)  # grad enabled: grouped experts and the plain RMSNorm
-    layer.experts.impl = "naive"
+    layer.experts.impl = "reference"
     with torch.no_grad():
         naive = layer(h)
     layer.experts.impl = "auto"
@@ -123,7 +123,7 @@ def test_auto_takes_the_gathered_path_while_compiling(monkeypatch):
     monkeypatch.setattr(moe, "experts_active", lambda *a: calls.append("active"))
     got = experts_auto(z, weights, idx, *w, situ_glu)
     assert not calls
-    torch.testing.assert_close(got, experts_naive(z, weights, idx, *w, situ_glu), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got, experts_reference(z, weights, idx, *w, situ_glu), rtol=1e-5, atol=1e-5)
 
 
 def _native_or_skip():
@@ -153,7 +153,7 @@ def test_native_experts_match_naive(act, T, k, skew, Dl, I, threads):
     finally:
         torch.set_num_threads(before)
     with torch.no_grad():
-        ref = experts_naive(z.double(), weights.double(), idx, *[t.double() for t in w], fn)
+        ref = experts_reference(z.double(), weights.double(), idx, *[t.double() for t in w], fn)
     assert got is not None and got.dtype == torch.float32 and got.shape == z.shape
     torch.testing.assert_close(got, ref.float(), rtol=1e-5, atol=1e-5)
 
@@ -182,4 +182,4 @@ def test_auto_takes_the_native_path_without_autograd(monkeypatch):
     with torch.no_grad():
         got = experts_auto(z, weights, idx, *w, situ_glu)
     assert calls == ["native"]
-    torch.testing.assert_close(got, experts_naive(z, weights, idx, *w, situ_glu), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got, experts_reference(z, weights, idx, *w, situ_glu), rtol=1e-5, atol=1e-5)

@@ -1,4 +1,4 @@
-"""MoE pure functions: route(), experts_grouped vs experts_naive (forward + backward), the bias updates."""
+"""MoE pure functions: route(), experts_grouped vs experts_reference (forward + backward), bias updates."""
 
 import math
 
@@ -9,7 +9,7 @@ from k3.ops.glu import situ_glu, swiglu
 from k3.ops.moe import (
     expert_load,
     experts_grouped,
-    experts_naive,
+    experts_reference,
     quantile_balance_bias,
     route,
     sign_update_bias,
@@ -119,13 +119,13 @@ def test_grouped_matches_naive_fwd_bwd(T, E, k, Dl, I, act):
     leaves = [t.clone().requires_grad_(True) for t in (z, weights, w1, w2, w3)]
     du = torch.randn(T, Dl, generator=g)
     grads = {}
-    for name, fn in (("naive", experts_naive), ("grouped", experts_grouped)):
+    for name, fn in (("reference", experts_reference), ("grouped", experts_grouped)):
         xs = [t.detach().clone().requires_grad_(True) for t in leaves]
         u = fn(xs[0], xs[1], indices, xs[2], xs[3], xs[4], act)
         (u * du).sum().backward()
         grads[name] = [u.detach()] + [x.grad for x in xs]
     for tname, a, b in zip(
-        ("u", "dz", "dweights", "dw1", "dw2", "dw3"), grads["grouped"], grads["naive"], strict=True
+        ("u", "dz", "dweights", "dw1", "dw2", "dw3"), grads["grouped"], grads["reference"], strict=True
     ):
         assert_close(tname, a, b, 1e-5)
     if T * k < E:  # an expert that received no token has zero gradient
@@ -140,7 +140,7 @@ def test_grouped_bf16_and_shapes():
     w = [(torch.randn(*s, generator=g) * 0.3).bfloat16() for s in ((E, I, Dl), (E, Dl, I), (E, I, Dl))]
     weights, indices, _ = route(torch.randn(T, E, generator=g), torch.zeros(E), k)
     a = experts_grouped(z, weights, indices, *w, situ_glu)
-    b = experts_naive(z, weights, indices, *w, situ_glu)
+    b = experts_reference(z, weights, indices, *w, situ_glu)
     assert a.dtype == torch.bfloat16 and a.shape == (T, Dl)
     assert_close("u_bf16", a.float(), b.float(), 1e-2)
     with pytest.raises(ValueError, match="w1"):

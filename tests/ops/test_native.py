@@ -13,11 +13,11 @@ import torch.nn.functional as F
 
 import k3.ops.kda.chunk as chunk_module
 from k3.ops import native
-from k3.ops.kda import chunk_kda, naive_recurrent_kda
-from k3.ops.kda.halves import halves_local, halves_local_ref
+from k3.ops.kda import chunk_kda, recurrent_kda_reference
+from k3.ops.kda.halves import halves_local, halves_local_reference
 from k3.ops.kda.scratch import Workspace
-from k3.ops.kda.solve import unit_lower_solve_, unit_lower_solve_blocks_, unit_lower_solve_ref
-from k3.ops.mla import causal_mask, mla_attention_blockwise, mla_attention_naive, ragged_causal_mask
+from k3.ops.kda.solve import unit_lower_solve_, unit_lower_solve_blocks_, unit_lower_solve_reference_
+from k3.ops.mla import causal_mask, mla_attention_blockwise, mla_attention_reference, ragged_causal_mask
 
 
 @pytest.fixture
@@ -63,7 +63,7 @@ def test_missing_compiler_warns_and_falls_back(fresh_native, monkeypatch):
         o, _ = chunk_kda(q, k, v, g, beta)
     warned = " ".join(str(w.message) for w in caught)
     assert "'kda_fused' unavailable" in warned and "'kda_halves' unavailable" in warned
-    o_ref, _ = naive_recurrent_kda(q, k, v, g, beta)
+    o_ref, _ = recurrent_kda_reference(q, k, v, g, beta)
     torch.testing.assert_close(o, o_ref, rtol=1e-5, atol=1e-6)
 
 
@@ -98,8 +98,8 @@ def test_switched_off_by_the_environment(fresh_native, monkeypatch):
 def assert_as_accurate_as_lapack(got, A, R, transpose):
     """fp32 `got` is within 2x (+ a rounding floor) of fp32 LAPACK's distance to the float64 solution
     (random systems of size 128 amplify rounding: an absolute tolerance alone would not say much)."""
-    want = unit_lower_solve_ref(A.double(), R.double(), transpose)
-    lapack = unit_lower_solve_ref(A, R.clone(), transpose)
+    want = unit_lower_solve_reference_(A.double(), R.double(), transpose)
+    lapack = unit_lower_solve_reference_(A, R.clone(), transpose)
     err, err_lapack = ((t.double() - want).abs().amax().item() for t in (got, lapack))
     assert err <= 2 * err_lapack + 1e-6 * want.abs().amax().item(), (err, err_lapack)
 
@@ -159,7 +159,7 @@ def test_native_halves_prep_matches_the_torch_path(batch, K, V, per_token):
     x = [chunked(t)[1:3] for t in (q, k, v, g, beta)]  # a group of 2 chunks
     M = 2 * batch * H
     outs = []
-    for fn in (halves_local, halves_local_ref):
+    for fn in (halves_local, halves_local_reference):
         A_qk, A_kk, X = torch.full((M, 64, 64), 7.0), torch.empty(M, 64, 64), torch.empty(M, 64, V + K)
         qg, k_dec, decay = fn(*x, 0.3, A_qk, A_kk, X, Workspace())
         outs.append((A_qk, A_kk.tril(-1), X, qg.clone(), k_dec.clone(), decay.clone()))
@@ -182,7 +182,7 @@ def test_chunk_kda_torch_path_matches_naive(monkeypatch, T, gate):
     beta, s0 = torch.rand(B, T, H, generator=gen), torch.randn(B, H, K, V, generator=gen)
     do = torch.randn(B, T, H, V, generator=gen)
     grads = []
-    for fn in (chunk_kda, naive_recurrent_kda):
+    for fn in (chunk_kda, recurrent_kda_reference):
         leaves = [t.clone().requires_grad_() for t in (q, k, v, g, beta, s0)]
         o, _ = fn(*leaves[:5], initial_state=leaves[5], output_final_state=True)
         o.backward(do)
@@ -250,7 +250,7 @@ def test_fused_chunk_kda_matches_the_torch_path_and_naive(monkeypatch, case):
     assert len(ran) == 1 and ran[0] is not None, "the fused pass did not run"
     monkeypatch.setattr(chunk_module, "fused_forward", lambda *a: None)
     o_torch, s_torch = chunk_kda(*inputs, initial_state=s0, output_final_state=True, chunk_size=C)
-    o_ref, s_ref = naive_recurrent_kda(*inputs, initial_state=s0, output_final_state=True)
+    o_ref, s_ref = recurrent_kda_reference(*inputs, initial_state=s0, output_final_state=True)
     assert torch.isfinite(o).all() and torch.isfinite(s).all()
     assert _rel(o, o_torch) <= 1e-6 and _rel(s, s_torch) <= 1e-6, (_rel(o, o_torch), _rel(s, s_torch))
     assert _rel(o, o_ref) <= 1e-5 and _rel(s, s_ref) <= 1e-5, (_rel(o, o_ref), _rel(s, s_ref))
@@ -274,7 +274,7 @@ def test_fused_chunk_kda_documents_and_threads(monkeypatch, threads):
     assert ran[0] is not None
     for n, (a, b) in enumerate(zip(cu[:-1], cu[1:], strict=True)):
         doc = [x[:, a:b] for x in inputs]
-        o_ref, s_ref = naive_recurrent_kda(*doc, initial_state=s0[n : n + 1], output_final_state=True)
+        o_ref, s_ref = recurrent_kda_reference(*doc, initial_state=s0[n : n + 1], output_final_state=True)
         assert _rel(o[:, a:b], o_ref) <= 1e-5 and _rel(s[n : n + 1], s_ref) <= 1e-5, n
 
 
@@ -318,7 +318,7 @@ def _dense_attention(qn, qp, c, kp, wuk, wuv, kw):
         keep = causal_mask(T, S) if kw.get("causal", True) else None
     k_nope = torch.einsum("bsr,hdr->bshd", c, wuk)
     v = torch.einsum("bsr,hvr->bshv", c, wuv)
-    return mla_attention_naive(qn, qp, k_nope, kp, v, 0.3, keep)
+    return mla_attention_reference(qn, qp, k_nope, kp, v, 0.3, keep)
 
 
 @pytest.mark.parametrize("expand", [False, True])

@@ -306,8 +306,9 @@ def test_pack_unpack_round_trip_and_layout():
 
 
 def test_checkpoint_layout_matches_spec_decode_rule():
-    """A [rows, cols] weight gives weight_packed [rows, cols/2] and weight_scale [rows, cols/32] (SPEC §2.6),
-    and W[r, c] = ±mag(nibble) * 2^(scale[r, c // 32] - 127) with nibble from packed[r, c // 2]."""
+    """A [rows, cols] weight gives weight_packed [rows, cols/2] and weight_scale [rows, cols/32]
+    (docs/spec.md#mxfp4), and W[r, c] = ±mag(nibble) * 2^(scale[r, c // 32] - 127) with nibble from packed[r,
+    c // 2]."""
     w = torch.randn(24, 96) * 0.02
     packed, scale = quantize_mx(w, "mxfp4")
     assert packed.shape == (24, 48) and scale.shape == (24, 3)

@@ -118,7 +118,7 @@ def test_only_expert_tensors_are_fake_quantized(nano, monkeypatch):
     assert len(weights) + len(acts) == len(calls)
 
 
-@pytest.mark.parametrize("impl", ["naive", "grouped"])
+@pytest.mark.parametrize("impl", ["reference", "grouped"])
 def test_qat_experts_equal_explicit_fake_quant(impl):
     m, z, weights, indices = experts_and_inputs()
     out = QATRoutedExperts.from_experts(m)(z, weights, indices, impl=impl)

@@ -38,7 +38,8 @@ def moe_layers():
 
 
 def spec_decode(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """SPEC §2.6 literally: W[r, c] = ±mag(nibble) · 2^(scale[r, c // 32] − 127), nibble from byte c // 2."""
+    """docs/spec.md#mxfp4 literally: W[r, c] = ±mag(nibble) · 2^(scale[r, c // 32] − 127), nibble from byte c
+    // 2."""
     rows, cols = packed.shape[0], 2 * packed.shape[1]
     out = torch.empty(rows, cols, dtype=torch.float64)
     for r in range(rows):

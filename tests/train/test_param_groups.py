@@ -1,4 +1,5 @@
-"""Muon/AdamW routing: every trainable parameter exactly once, head splits per SPEC §4.2."""
+"""Muon/AdamW routing: every trainable parameter exactly once, head splits per
+docs/spec_training.md#per-head-muon."""
 
 import pytest
 import torch

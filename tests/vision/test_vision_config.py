@@ -1,4 +1,5 @@
-"""Vision configs: the official vision_config round-trips and gives SPEC §7.2's parameter counts."""
+"""Vision configs: the official vision_config round-trips and gives docs/spec.md#parameter-counts's parameter
+counts."""
 
 import json
 from pathlib import Path

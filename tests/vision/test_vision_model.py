@@ -8,13 +8,13 @@ from k3.model.vision import (
     PatchMergerProjector,
     PosEmb,
     apply_rope_2d,
-    apply_rope_2d_ref,
+    apply_rope_2d_reference,
     cu_seqlens_from_grid,
     init_vision_weights,
     merge_patches,
     rope_2d_angles,
     varlen_attention,
-    varlen_attention_ref,
+    varlen_attention_reference,
 )
 from k3.vision.config import vision_preset
 
@@ -33,7 +33,7 @@ def test_rope_identity_at_origin_and_matches_reference():
     qs = torch.randn(7, 3, K, dtype=torch.float64, generator=g)
     ang = rope_2d_angles(x, y, K)
     # the fast path rotates in fp32 by design (the reference in fp64): fp32 tolerances, not fp64's 1e-7
-    torch.testing.assert_close(apply_rope_2d(qs, ang), apply_rope_2d_ref(qs, ang), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(apply_rope_2d(qs, ang), apply_rope_2d_reference(qs, ang), rtol=1e-6, atol=1e-6)
 
 
 def test_rope_pairing_x_on_even_pairs_y_on_odd_pairs():
@@ -71,7 +71,7 @@ def test_varlen_attention_matches_reference_and_isolates_images():
     cu = torch.tensor([0, 5, 6, 14])
     q, k, v = (torch.randn(14, 2, 8, requires_grad=True) for _ in range(3))
     out = varlen_attention(q, k, v, cu)
-    ref = varlen_attention_ref(q, k, v, cu)
+    ref = varlen_attention_reference(q, k, v, cu)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
     g = torch.randn_like(out)
     grads = torch.autograd.grad(out, (q, k, v), g)
@@ -128,7 +128,7 @@ def test_tower_packs_images_independently():
     assert packed.shape == (6 + 1 + 3, cfg.text_hidden_size)
     alone = proj(tower(px[n[0] : n[0] + n[1]], [grids[1]]))
     torch.testing.assert_close(packed[6:7], alone, atol=1e-5, rtol=1e-5)
-    ref = proj(tower(px, grids, attn_fn=varlen_attention_ref))
+    ref = proj(tower(px, grids, attn_fn=varlen_attention_reference))
     torch.testing.assert_close(packed, ref, atol=1e-5, rtol=1e-5)
     assert cu_seqlens_from_grid(grids).tolist() == [0, 24, 28, 40]
     with pytest.raises(ValueError, match="pixel_values"):

@@ -5,7 +5,7 @@ state [B, H, K, V] fp32 (one per document, [N, H, K, V], with cu_seqlens).
 """
 
 from k3.ops.kda.chunk import chunk_kda
-from k3.ops.kda.naive import naive_recurrent_kda
 from k3.ops.kda.recurrent import recurrent_kda
+from k3.ops.kda.reference import recurrent_kda_reference
 
-__all__ = ["chunk_kda", "naive_recurrent_kda", "recurrent_kda"]
+__all__ = ["chunk_kda", "recurrent_kda_reference", "recurrent_kda"]

@@ -22,7 +22,7 @@ exp(Γ) Q, exp(Γ_C - Γ) K and the chunk retention; the backward recomputes `in
 `halves_local` runs the elementwise part (norms, in-half cumulative decay, the exponentials and all
 the scaled rows and columns; then the causal copy of A_qk) as one C pass per group when a compiler is
 available (`k3/ops/csrc/kda_halves.c`, built by `k3.ops.native`), else as torch ops:
-`halves_local_ref` is that torch path, with the same signature (tests compare them).
+`halves_local_reference` is that torch path, with the same signature (tests compare them).
 """
 
 import ctypes
@@ -50,11 +50,11 @@ def halves_fit(g: torch.Tensor, l2norm: bool, scale: float) -> bool:
 
 
 def halves_local(q, k, v, g, beta, scale: float, A_qk, A_kk, X, ws: Workspace):
-    """`halves_local_ref` with its elementwise part in one native pass when the kernel is built."""
+    """`halves_local_reference` with its elementwise part in one native pass when the kernel is built."""
     prep = native.function("kda_halves", "k3_kda_halves_prep", _PREP_ARGS)
     causal_rows = native.function("kda_halves", "k3_kda_causal_rows", _CAUSAL_ROWS_ARGS)
     if prep is None or not _native_fits(q, k, v, g, beta, A_qk, X):
-        return halves_local_ref(q, k, v, g, beta, scale, A_qk, A_kk, X, ws)
+        return halves_local_reference(q, k, v, g, beta, scale, A_qk, A_kk, X, ws)
     G, BH, C, K = q.shape
     M, V, h = G * BH, v.shape[-1], C // 2
     rows, cols = ws.get("rows", q, G, BH, 2, 2, h, K), ws.get("cols", q, G, BH, 2, 2, h, K)
@@ -73,7 +73,7 @@ def halves_local(q, k, v, g, beta, scale: float, A_qk, A_kk, X, ws: Workspace):
     return qg, k_dec, decay
 
 
-def halves_local_ref(q, k, v, g, beta, scale: float, A_qk, A_kk, X, ws: Workspace):
+def halves_local_reference(q, k, v, g, beta, scale: float, A_qk, A_kk, X, ws: Workspace):
     """Raw fp32 q, k, g [G, BH, C, K], v [G, BH, C, V], beta [G, BH, C] (any strides: the chunked views
     of the caller's tensors) -> fills A_qk and X = [U | W] [M, C, V + K] (M = G BH), and A_kk [M, C, C]
     unless it is None (only its strictly lower triangle is meaningful: what the backward's solve reads);

@@ -1,6 +1,6 @@
 """KDA recurrence vectorised over batch and heads: the decode path (T is usually 1).
 
-Same maths and signature as `naive_recurrent_kda`; each step is a decay, two mat-vecs and a rank-1
+Same maths and signature as `recurrent_kda_reference`; each step is a decay, two mat-vecs and a rank-1
 update of the fp32 state. Large states use batched matmuls for the mat-vecs (one read of the state:
 ~1.6x faster than multiply + sum at B=4, H=96, K=V=128); small ones use multiply + sum, which stays on
 one thread (a per-token parallel BLAS call costs more than the work, badly so on a busy machine).

@@ -15,7 +15,7 @@ not batch-contiguous). The backward needs the transposed system (I + A)^T Y = D,
 Where a C compiler is available both run instead as one native forward / backward substitution
 (`k3/ops/csrc/unit_lower_solve.c`, built by `k3.ops.native`): ~2.5x faster than LAPACK's trsm on
 64 x 64 systems, whose time goes mostly to per-call overhead and packing at this size.
-`unit_lower_solve_ref` is the plain one-call LAPACK solve with the same signature (tests compare them).
+`unit_lower_solve_reference_` is the plain one-call LAPACK solve with the same signature (tests compare them).
 """
 
 import ctypes
@@ -32,7 +32,7 @@ def unit_lower_solve_(A: torch.Tensor, X: torch.Tensor, transpose: bool = False)
     if _native(A, A, 0, C, X, transpose):
         return X
     if C % 2 or C < 16:
-        return unit_lower_solve_ref(A, X, transpose)
+        return unit_lower_solve_reference_(A, X, transpose)
     h = C // 2
     return unit_lower_solve_blocks_(A[:, :h, :h], A[:, h:, :h], A[:, h:, h:], X, transpose)
 
@@ -63,7 +63,7 @@ def _solve_half(A: torch.Tensor, X: torch.Tensor, transpose: bool) -> None:
         torch.linalg.solve_triangular(A.mT, X.mT, upper=True, left=False, unitriangular=True, out=X.mT)
 
 
-def unit_lower_solve_ref(A: torch.Tensor, X: torch.Tensor, transpose: bool = False) -> torch.Tensor:
+def unit_lower_solve_reference_(A: torch.Tensor, X: torch.Tensor, transpose: bool = False) -> torch.Tensor:
     """The reference: one LAPACK solve over the whole C x C system (same contract as the fast path)."""
     _solve_half(A, X, transpose)
     return X
