@@ -30,7 +30,7 @@ COMMANDS: tuple[Command, ...] = (
     Command("eval", "k3.train.cli", "validation loss and bits per byte of a checkpoint"),
     Command("sample", "k3.train.cli", "sample text from a checkpoint"),
     Command("ablate", "k3.train.cli", "train K3 recipe variants at equal tokens and seeds; table + plot"),
-    Command("plan", "k3.plan", "per-GPU memory plan for training and serving a config on G GPUs"),
+    Command("plan", "k3.capacity", "per-GPU memory plan for training and serving a config on G GPUs"),
     Command("export", "k3.export.cli", "export a checkpoint: the release layout (hf) or a llama.cpp GGUF"),
     Command("serve", "k3.serve.cli", "OpenAI-compatible HTTP server on the inference engine"),
     Command("chat", "k3.serve.chat", "interactive terminal chat on the inference engine"),

@@ -24,7 +24,7 @@ from k3.infer.scheduler import Scheduler
 from k3.infer.sequence import SamplingParams, Sequence, Status
 
 
-def head_for_gemv(model: torch.nn.Module) -> None:
+def make_head_column_major(model: torch.nn.Module) -> None:
     """Re-lay a large CPU `lm_head.weight` [V, D] out column-major (same values, shape and Parameter).
 
     A decode step multiplies one hidden row by the whole head; with the weight stored [D, V]-contiguous
@@ -57,7 +57,7 @@ class Engine:
     ):
         self.config = config or EngineConfig()
         self.model, self.tokenizer = model.eval(), tokenizer
-        head_for_gemv(model)
+        make_head_column_major(model)
         if self.config.keep_freed_memory:
             heap.keep_freed_memory()
         self.eos_token_id = (

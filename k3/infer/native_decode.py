@@ -70,7 +70,7 @@ def unsupported(runner) -> str | None:
     la = c.linear_attn_config
     if not native.enabled():
         return "native kernels are off (K3_NATIVE=0)"
-    if any(not native.takes(p) for p in model.parameters()) or runner.device.type != "cpu":  # (packed
+    if any(not native.fp32_cpu(p) for p in model.parameters()) or runner.device.type != "cpu":  # (packed
         # experts are uint8 buffers, not parameters)
         return "the model is not fp32 on the CPU"
     from k3.model.moe import RoutedExperts

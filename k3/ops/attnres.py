@@ -85,7 +85,7 @@ def attn_res_native(sources: list[torch.Tensor], qk: torch.Tensor, eps: float) -
         and all(v.shape == s0.shape and v.is_contiguous() for v in sources)
         and qk.is_contiguous()
     )
-    fn = native.plain_function("attn_res", "k3_attn_res", _NATIVE_ARGS, qk, *sources) if fits else None
+    fn = native.kernel_function("attn_res", "k3_attn_res", _NATIVE_ARGS, qk, *sources) if fits else None
     if fn is None:
         return None
     out = torch.empty_like(s0)

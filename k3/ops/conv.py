@@ -125,7 +125,7 @@ def _conv_silu_native(u: torch.Tensor, weight: torch.Tensor, initial_state: torc
     W = weight.shape[-1]
     hist = None if initial_state is None else _history(initial_state, B, u, W)
     history = () if hist is None else (hist,)
-    fn = native.plain_function("kda_pointwise", "k3_conv_silu", _CONV_ARGS, u, weight, *history)
+    fn = native.kernel_function("kda_pointwise", "k3_conv_silu", _CONV_ARGS, u, weight, *history)
     if fn is None:
         return None
     uc, w = u.contiguous(), weight[:, 0].t().contiguous()  # w [W, C]: a tap's channels contiguous

@@ -49,7 +49,7 @@ def kda_gate(
 
 def _safe_gate_native(z, A_log, dt_bias, lower_bound: float) -> torch.Tensor | None:
     """The safe form in one C pass (`k3/ops/csrc/kda_pointwise.c`); fp32, no autograd, else None."""
-    fn = native.plain_function("kda_pointwise", "k3_kda_safe_gate", _GATE_ARGS, z, A_log, dt_bias)
+    fn = native.kernel_function("kda_pointwise", "k3_kda_safe_gate", _GATE_ARGS, z, A_log, dt_bias)
     if fn is None:
         return None
     H, K = z.shape[-2:]

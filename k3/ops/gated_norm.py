@@ -28,7 +28,7 @@ def _check(o: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor) -> None:
 def gated_rms_norm(o: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """o [..., V] (e.g. [B, T, H, V]), gate like o, weight [V] -> [..., V] in o's dtype."""
     _check(o, gate, weight)
-    fn = native.plain_function("rms_norm", "k3_gated_rms_norm", _ARGS, o, gate, weight)
+    fn = native.kernel_function("rms_norm", "k3_gated_rms_norm", _ARGS, o, gate, weight)
     if fn is None or o.numel() == 0:
         return gated_rms_norm_reference(o, gate, weight, eps)
     oc, gc, w = o.contiguous(), gate.contiguous(), weight.contiguous()

@@ -146,7 +146,9 @@ def situ_glu_native(
     takes a torch path). Written in |g|, |u| with expm1 so that the three factors share one division and
     no series is needed near 0; two exponentials per element when β₁ = 4. Within ~5e-7 relative of the
     float64 truth (the reference: ~3e-7)."""
-    fits = gate.shape == up.shape and gate.is_contiguous() and up.is_contiguous() and native.takes(gate, up)
+    fits = (
+        gate.shape == up.shape and gate.is_contiguous() and up.is_contiguous() and native.fp32_cpu(gate, up)
+    )
     fn = native.function("situ_glu", "k3_situ_glu", _SITU_ARGS) if fits else None
     if fn is None:
         return None

@@ -319,7 +319,7 @@ def _native_softmax_step(q: torch.Tensor):
     """The native online-softmax block step (`k3/ops/csrc/online_softmax.c`) for fp32 CPU queries without
     autograd, or None (no compiler, another device or dtype, a gradient: the torch ops run instead).
     -> step(scores [batch, rows, s], m, l [batch, rows, 1], limit [batch*rows] int64 | None) -> corr."""
-    fits = native.takes(q) and not (torch.is_grad_enabled() and q.requires_grad)
+    fits = native.fp32_cpu(q) and not (torch.is_grad_enabled() and q.requires_grad)
     fn = native.function("online_softmax", "k3_online_softmax_block", _SOFTMAX_ARGS) if fits else None
     if fn is None:
         return None
@@ -348,7 +348,9 @@ def _native_expanded_block(q_nope, q_pe, w_uk, w_uv):
     Dn, Dr, Dv = q_nope.shape[-1], q_pe.shape[-1], w_uv.shape[1]
     if Dn % 8 or Dr % 8 or Dv % 16 or (Dn + Dv) % 16:
         return None
-    return native.plain_function("mla_stream", "k3_mla_block_expanded", _BLOCK_ARGS, q_nope, q_pe, w_uk, w_uv)
+    return native.kernel_function(
+        "mla_stream", "k3_mla_block_expanded", _BLOCK_ARGS, q_nope, q_pe, w_uk, w_uv
+    )
 
 
 def _over_blocks_native(fn, q_nope, q_pe, blocks, w_uk, w_uv, scale, q_pos):

@@ -214,7 +214,7 @@ def _experts_kernel(z, weights, w1, w2, w3, act: GLUFn):
     code = _native_act(act)
     if code is None or not all(w.is_contiguous() for w in (w1, w2, w3)):
         return None
-    fn = native.plain_function("moe_experts", "k3_experts_situ", _EXPERTS_ARGS, z, weights, w1, w2, w3)
+    fn = native.kernel_function("moe_experts", "k3_experts_situ", _EXPERTS_ARGS, z, weights, w1, w2, w3)
     sgemm = native.blas_sgemm() if fn is not None else None
     return None if sgemm is None else (fn, sgemm, code)
 

@@ -110,22 +110,22 @@ def blas_sgemm() -> int | None:
     return _SGEMM[0]
 
 
-def takes(*tensors) -> bool:
+def fp32_cpu(*tensors) -> bool:
     """Whether every tensor is fp32 on the CPU: the only kind the kernels read or write."""
     return all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors)
 
 
-def plain(*tensors) -> bool:
-    """Whether a kernel may replace the torch ops on these tensors: fp32 CPU (`takes`), no gradient to
+def kernel_may_run(*tensors) -> bool:
+    """Whether a kernel may replace the torch ops on these tensors: fp32 CPU (`fp32_cpu`), no gradient to
     record, and torch.compile not tracing (a traced graph keeps the torch ops: no opaque C calls)."""
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
-    return takes(*tensors) and not grad and not torch.compiler.is_compiling()
+    return fp32_cpu(*tensors) and not grad and not torch.compiler.is_compiling()
 
 
-def plain_function(name: str, symbol: str, argtypes: list, *tensors):
-    """`function(name, symbol, argtypes)` when `plain(*tensors)` holds, else None: the one test every
+def kernel_function(name: str, symbol: str, argtypes: list, *tensors):
+    """`function(name, symbol, argtypes)` when `kernel_may_run(*tensors)` holds, else None: the one test every
     inference-only kernel's caller makes before taking it over its torch path."""
-    return function(name, symbol, argtypes) if plain(*tensors) else None
+    return function(name, symbol, argtypes) if kernel_may_run(*tensors) else None
 
 
 def reset() -> None:

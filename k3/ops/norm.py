@@ -35,7 +35,7 @@ def rms_norm_native(x: torch.Tensor, weight: torch.Tensor | None, eps: float) ->
     tensors = (x,) if weight is None else (x, weight)
     D = x.shape[-1] if x.dim() else 0
     fits = D > 0 and (weight is None or weight.shape == (D,))
-    fn = native.plain_function("rms_norm", "k3_rms_norm", _ARGS, *tensors) if fits else None
+    fn = native.kernel_function("rms_norm", "k3_rms_norm", _ARGS, *tensors) if fits else None
     if fn is None:
         return None
     xc = x.contiguous()

@@ -5,7 +5,7 @@ import copy
 import torch
 
 from k3.infer.config import EngineConfig
-from k3.infer.engine import Engine, head_for_gemv
+from k3.infer.engine import Engine, make_head_column_major
 from k3.infer.sequence import SamplingParams
 
 
@@ -14,7 +14,7 @@ def test_head_for_gemv_keeps_values_and_parameter(nano):
     w = model.lm_head.weight
     before, h = w.detach().clone(), torch.randn(3, model.config.hidden_size)
     ref = model.lm_head(h)
-    head_for_gemv(model)
+    make_head_column_major(model)
     assert model.lm_head.weight is w and torch.equal(w, before)
     assert w.shape[0] < 4 * w.shape[1] or not w.is_contiguous()  # re-laid out when the head is wide
     torch.testing.assert_close(model.lm_head(h), ref)

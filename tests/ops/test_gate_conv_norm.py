@@ -233,8 +233,8 @@ def test_native_norms_equal_the_references(shape, threads):
 )
 def test_native_pointwise_equal_the_torch_paths(monkeypatch, B, T, C, W, with_state):
     """Without autograd on fp32 the conv + SiLU and the safe gate run as native passes: each equals its
-    torch path (native.plain patched off), incl. T < W-1 with a history, C not a multiple of 8, W = 1;
-    the final conv state is the same tensor values."""
+    torch path (native.kernel_may_run patched off), incl. T < W-1 with a history, C not a multiple of 8,
+    W = 1; the final conv state is the same tensor values."""
     from k3.ops import native
 
     if native.library("kda_pointwise") is None:
@@ -250,7 +250,7 @@ def test_native_pointwise_equal_the_torch_paths(monkeypatch, B, T, C, W, with_st
     )
     with torch.no_grad():
         fast = (*causal_conv1d(u, w, s), kda_gate(z, A_log, dt_bias, -5.0))
-        monkeypatch.setattr(native, "plain", lambda *t: False)
+        monkeypatch.setattr(native, "kernel_may_run", lambda *t: False)
         ref = (*causal_conv1d(u, w, s), kda_gate(z, A_log, dt_bias, -5.0))
     for name, a, b in zip(("conv y", "conv final state", "gate"), fast, ref, strict=True):
         assert_close(name, b, a, 0 if name == "conv final state" else 1e-6)

@@ -37,7 +37,7 @@ def fused_fits(q, k, v, g, beta, chunk_size: int) -> bool:
     """Whether the native pass can run these padded [B, T, H, *] inputs (beta [B, T, H]): fp32 CPU, no
     gradient, not tracing, unit channel strides, a supported chunk size and K, V multiples of 16."""
     K, V = q.shape[-1], v.shape[-1]
-    if chunk_size not in CHUNKS or K % 16 or V % 16 or not native.plain(q, k, v, g, beta):
+    if chunk_size not in CHUNKS or K % 16 or V % 16 or not native.kernel_may_run(q, k, v, g, beta):
         return False
     return all(t.stride(-1) == 1 for t in (q, k, v, g))
 

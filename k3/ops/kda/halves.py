@@ -146,7 +146,7 @@ class _Strides3(ctypes.Structure):
 
 def _native_fits(q, k, v, g, beta, A_qk, X) -> bool:
     """The native kernel's layout: fp32 CPU tensors, unit channel strides, A_qk and X contiguous."""
-    if not native.takes(q, k, v, g, beta, A_qk, X):
+    if not native.fp32_cpu(q, k, v, g, beta, A_qk, X):
         return False
     return all(t.stride(-1) == 1 for t in (q, k, v, g)) and A_qk.is_contiguous() and X.is_contiguous()
 

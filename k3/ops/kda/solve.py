@@ -86,7 +86,7 @@ def _native(A, A_lo, half_bytes: int, h: int, X, transpose: bool) -> bool:
     rows [0, h) of each system, `A_lo` the rows from h on, `half_bytes` apart. -> whether it ran."""
     layout = X.dim() == 3 and A.stride(-1) == 1 and X.stride(-1) == 1 and half_bytes % 4 == 0
     fn = native.function("unit_lower_solve", "k3_unit_lower_solve", _SOLVE_ARGS) if layout else None
-    if fn is None or not native.takes(A, A_lo, X):
+    if fn is None or not native.fp32_cpu(A, A_lo, X):
         return False
     M, C, N = X.shape
     fn(A.data_ptr(), A.stride(0), half_bytes // 4, A.stride(1), h,

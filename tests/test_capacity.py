@@ -3,15 +3,15 @@ docs/distributed.md's formulas."""
 
 import pytest
 
-from k3.cli import main
-from k3.config import preset
-from k3.plan import (
+from k3.capacity import (
     activation_bytes_per_token,
     layer_activation_bytes,
     make_plan,
     min_training_gpus,
     param_split,
 )
+from k3.cli import main
+from k3.config import preset
 
 P_TOTAL = 2_779_484_476_000  # docs/spec.md#parameter-counts text model (router biases included)
 P_EXPERTS = 2_722_740_830_208
