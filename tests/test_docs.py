@@ -15,6 +15,7 @@ import ast
 import contextlib
 import importlib.util
 import io
+import json
 import re
 import shlex
 from pathlib import Path
@@ -255,3 +256,57 @@ def test_check_command(line, ok):
 def test_synopsis_checks_flags_only():
     assert check_command(shlex.split("k3 train [--preset P] [--steps N]"), full=False) is None
     assert check_command(shlex.split("k3 train [--preset P] [--bogus]"), full=False) is not None
+
+
+# ---- measured figures come from docs/results ---------------------------------------------------------------
+# Pages whose every measured figure must sit in a marked span (a figure: a number with a unit of speed, a
+# ratio, a share or a compression rate); the rest of docs/ may quote figures in marked spans too.
+FIGURE_PAGES = [ROOT / "README.md"]
+MEASURED = re.compile(r"\d[\d,.]*\s?(?:x\b|tok/s|ms\b|GB/s|GFLOP/s|%|bits per byte)")
+
+
+def test_figures_match_their_results_files():
+    from k3.benchmark.docs_figures import pages, render
+
+    stale = [str(p.relative_to(ROOT)) for p in pages(ROOT) if render(p.read_text()) != p.read_text()]
+    assert not stale, f"figures differ from docs/results (python -m k3.benchmark.docs_figures): {stale}"
+
+
+@pytest.mark.parametrize("path", FIGURE_PAGES, ids=_rel)
+def test_measured_figures_have_a_results_file(path):
+    from k3.benchmark.docs_figures import unmarked
+
+    hits = [
+        f"{path.name}:{i}: {m.group(0)!r}"
+        for i, line in enumerate(unmarked(path.read_text()).splitlines(), 1)
+        for m in MEASURED.finditer(line)
+    ]
+    assert not hits, "measured figures outside a <!-- fig --> / <!-- table --> span:\n" + "\n".join(hits)
+
+
+def test_results_files_say_where_they_came_from():
+    from k3.benchmark.docs_figures import REQUIRED, RESULTS
+
+    files = sorted(RESULTS.glob("*.json"))
+    assert files
+    for f in files:
+        data = json.loads(f.read_text())
+        assert all(data.get(k) for k in REQUIRED), f"{f.name}: needs {REQUIRED}"
+
+
+def test_a_hand_edited_figure_is_caught(tmp_path):
+    from k3.benchmark.docs_figures import load, render
+
+    (tmp_path / "r.json").write_text(
+        json.dumps({"command": "c", "commit": "abc", "machine": "m", "date": "d",
+                    "figures": {"speed": {"value": 2.5, "fmt": "{:.2f}x"}},
+                    "tables": {"t": {"header": ["a", "b"], "rows": [["x", "{speed}"]]}}})
+    )  # fmt: skip
+    load.cache_clear()
+    good = "k3 is <!-- fig r:speed -->2.50x<!-- /fig --> faster.\n<!-- table r:t -->\n| a | b |\n|---|---|\n| x | 2.50x |\n<!-- /table -->"
+    assert render(good, tmp_path) == good
+    for edited in (good.replace(">2.50x<", ">2.60x<"), good.replace("| x | 2.50x |", "| x | 9.99x |")):
+        assert render(edited, tmp_path) == good != edited
+    with pytest.raises(ValueError, match="no figure 'nope'"):
+        render("<!-- fig r:nope -->1<!-- /fig -->", tmp_path)
+    assert MEASURED.search("decodes at 45.3 tok/s") and not MEASURED.search("<!-- fig r:speed -->")
