@@ -303,7 +303,10 @@ def test_a_hand_edited_figure_is_caught(tmp_path):
                     "tables": {"t": {"header": ["a", "b"], "rows": [["x", "{speed}"]]}}})
     )  # fmt: skip
     load.cache_clear()
-    good = "k3 is <!-- fig r:speed -->2.50x<!-- /fig --> faster.\n<!-- table r:t -->\n| a | b |\n|---|---|\n| x | 2.50x |\n<!-- /table -->"
+    good = (
+        "k3 is <!-- fig r:speed -->2.50x<!-- /fig --> faster.\n"
+        "<!-- table r:t -->\n| a | b |\n|---|---|\n| x | 2.50x |\n<!-- /table -->"
+    )
     assert render(good, tmp_path) == good
     for edited in (good.replace(">2.50x<", ">2.60x<"), good.replace("| x | 2.50x |", "| x | 9.99x |")):
         assert render(edited, tmp_path) == good != edited

@@ -26,7 +26,7 @@ import argparse
 import json
 import re
 import sys
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -37,7 +37,7 @@ CELL_REF = re.compile(r"\{([\w.-]+)\}")
 REQUIRED = ("command", "commit", "machine", "date")
 
 
-@lru_cache(maxsize=None)
+@cache
 def load(name: str, results_dir: Path = RESULTS) -> dict:
     """The results file `name` (without .json), checked to say where its figures came from."""
     path = results_dir / f"{name}.json"
