@@ -313,3 +313,27 @@ def test_a_hand_edited_figure_is_caught(tmp_path):
     with pytest.raises(ValueError, match="no figure 'nope'"):
         render("<!-- fig r:nope -->1<!-- /fig -->", tmp_path)
     assert MEASURED.search("decodes at 45.3 tok/s") and not MEASURED.search("<!-- fig r:speed -->")
+
+
+def test_a_bench_run_becomes_a_results_file(tmp_path):
+    from k3.benchmark.docs_figures import from_bench, load, render
+
+    run = {
+        "command": "k3 bench --only engine",
+        "machine": {"cpu": "Test CPU", "logical_cores": 2, "torch_threads": 1, "torch": "2.13",
+                    "python": "3.11", "date": "2026-01-01 00:00 UTC", "git_commit": "abc1234"},
+        "benches": [{"name": "engine", "result": {"figures": [
+            {"figure": "decode tok/s, batch 1", "value": 141.2, "unit": "tok/s", "peer": "HF",
+             "peer_value": 34.3, "ratio": 4.1166, "goal": 3, "goal_op": ">=", "goal_met": True}]}}],
+    }  # fmt: skip
+    results = from_bench(run)
+    assert results["commit"] == "abc1234" and "Test CPU" in results["machine"]
+    (tmp_path / "suite.json").write_text(json.dumps(results))
+    load.cache_clear()
+    text = (
+        "decode <!-- fig suite:engine.decode_tok_s_batch_1.ratio -->?<!-- /fig -->\n"
+        "<!-- table suite:suite -->\n<!-- /table -->"
+    )
+    out = render(text, tmp_path)
+    assert "-->4.12<!--" in out
+    assert "| engine | decode tok/s, batch 1 | 141 tok/s | HF: 34.3 tok/s | 4.12 | >= 3 | yes |" in out

@@ -16,8 +16,9 @@ A page quotes a figure between two HTML comments (invisible once rendered), and 
     <!-- /table -->
 
 `render(text)` rewrites every marked span from the results files; `python -m k3.benchmark.docs_figures`
-rewrites README.md and docs/*.md in place (`--check`: exit 1 and list the spans that differ). Table cells
-may name figures as `{key}`, formatted the same way. Unknown files or keys raise ValueError.
+rewrites README.md and docs/*.md in place (`--check`: exit 1 and list the spans that differ;
+`--import-bench RUN/bench.json NAME` first turns a `k3 bench` run into docs/results/NAME.json). Table
+cells may name figures as `{key}`, formatted the same way. Unknown files or keys raise ValueError.
 """
 
 from __future__ import annotations
@@ -98,10 +99,47 @@ def pages(root: Path = ROOT) -> list[Path]:
     return [root / "README.md", *sorted((root / "docs").glob("*.md"))]
 
 
+def slug(text: str) -> str:
+    """A figure's name as a results key: lower case, words joined by `_`."""
+    return re.sub(r"[^a-z0-9]+", "_", text.lower()).strip("_")[:60]
+
+
+def from_bench(bench_json: dict) -> dict:
+    """A results file from `k3 bench`'s bench.json: its table, and every figure's ratio and value under
+    `BENCH.SLUG.ratio` / `BENCH.SLUG.value` (the same formatting as bench.md)."""
+    from k3.benchmark.report import COLUMNS, describe_machine, figure_row, fmt_number
+
+    m = bench_json["machine"]
+    rows, figs = [], {}
+    for b in bench_json["benches"]:
+        for f in (b.get("result") or {}).get("figures", []):
+            rows.append(figure_row(b["name"], f))
+            key = f"{b['name']}.{slug(str(f['figure']))}"
+            if f.get("ratio") is not None:
+                figs[f"{key}.ratio"] = {"value": f["ratio"], "fmt": "{:.3g}"}
+            if f.get("value") is not None:
+                figs[f"{key}.value"] = {"value": fmt_number(f["value"]), "fmt": "{}"}
+    return {
+        "command": bench_json["command"],
+        "commit": m.get("git_commit") or "unknown",
+        "machine": describe_machine(m),
+        "date": m["date"],
+        "figures": figs,
+        "tables": {"suite": {"header": list(COLUMNS), "rows": rows}},
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="Regenerate the measured figures in README.md and docs/*.md.")
     p.add_argument("--check", action="store_true", help="change nothing; exit 1 if a figure differs")
+    p.add_argument("--import-bench", nargs=2, metavar=("BENCH_JSON", "NAME"),
+                   help="first write docs/results/NAME.json from a `k3 bench` run's bench.json")  # fmt: skip
     args = p.parse_args(argv)
+    if args.import_bench:
+        src, name = args.import_bench
+        out = RESULTS / f"{name}.json"
+        out.write_text(json.dumps(from_bench(json.loads(Path(src).read_text())), indent=1) + "\n")
+        print(f"wrote {out.relative_to(ROOT)}")
     stale = []
     for page in pages():
         text = page.read_text()
