@@ -78,7 +78,6 @@ def child(preset_name: str, L: int, chunk: int, page_size: int) -> dict:
 
     from k3.config import preset
     from k3.infer.engine import Engine
-    from k3.infer.generate_cli import engine_config
     from k3.infer.sequence import SamplingParams
     from k3.model.init import init_weights
     from k3.model.transformer import K3ForCausalLM
@@ -90,15 +89,13 @@ def child(preset_name: str, L: int, chunk: int, page_size: int) -> dict:
     model = model.to(getattr(torch, config.dtype)).eval()
     prompt = torch.randint(0, config.vocab_size, (L,), generator=torch.Generator().manual_seed(1)).tolist()
     warm = prompt[: 3 * chunk]  # code pages and lazy inits of both MLA paths belong to the baseline
-    Engine(model, engine_config(len(warm), 1, chunk, page_size)).generate(
-        [warm], SamplingParams(max_tokens=1)
-    )
+    Engine(model, measured_config(len(warm), chunk, page_size)).generate([warm], SamplingParams(max_tokens=1))
     _settle()
     with open("/proc/self/clear_refs", "w") as f:  # peak RSS := current RSS
         f.write("5")
     before = _status_kib("VmRSS") * 1024
     t0 = time.perf_counter()
-    engine = Engine(model, engine_config(L, 1, chunk, page_size))
+    engine = Engine(model, measured_config(L, chunk, page_size))
     t_alloc = time.perf_counter() - t0
     engine.generate([prompt], SamplingParams(max_tokens=1, ignore_eos=True))
     t_total = time.perf_counter() - t0
@@ -138,6 +135,16 @@ def analytic_terms(preset_name: str, L: int, page_size: int) -> dict:
         prompt=8 * L,
         latent_bytes_per_token=(c.kv_lora_rank + c.qk_rope_head_dim) * n_mla * nbytes,
     )
+
+
+def measured_config(L: int, chunk: int, page_size: int):
+    """`k3 generate`'s config for L + 1 tokens with the engine's heap thresholds left alone: the child's
+    MALLOC_MMAP_THRESHOLD_ must hold, or freed activations would stay in RSS and count as growth."""
+    import dataclasses
+
+    from k3.infer.generate_cli import engine_config
+
+    return dataclasses.replace(engine_config(L, 1, chunk, page_size), keep_freed_memory=False)
 
 
 def run_child(preset_name: str, L: int, args) -> dict:

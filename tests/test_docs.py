@@ -15,6 +15,7 @@ import ast
 import contextlib
 import importlib.util
 import io
+import json
 import re
 import shlex
 from pathlib import Path
@@ -255,3 +256,84 @@ def test_check_command(line, ok):
 def test_synopsis_checks_flags_only():
     assert check_command(shlex.split("k3 train [--preset P] [--steps N]"), full=False) is None
     assert check_command(shlex.split("k3 train [--preset P] [--bogus]"), full=False) is not None
+
+
+# ---- measured figures come from docs/results ---------------------------------------------------------------
+# Pages whose every measured figure must sit in a marked span (a figure: a number with a unit of speed, a
+# ratio, a share or a compression rate); the rest of docs/ may quote figures in marked spans too.
+FIGURE_PAGES = [ROOT / "README.md"]
+MEASURED = re.compile(r"\d[\d,.]*\s?(?:x\b|tok/s|ms\b|GB/s|GFLOP/s|%|bits per byte)")
+
+
+def test_figures_match_their_results_files():
+    from k3.benchmark.docs_figures import pages, render
+
+    stale = [str(p.relative_to(ROOT)) for p in pages(ROOT) if render(p.read_text()) != p.read_text()]
+    assert not stale, f"figures differ from docs/results (python -m k3.benchmark.docs_figures): {stale}"
+
+
+@pytest.mark.parametrize("path", FIGURE_PAGES, ids=_rel)
+def test_measured_figures_have_a_results_file(path):
+    from k3.benchmark.docs_figures import unmarked
+
+    hits = [
+        f"{path.name}:{i}: {m.group(0)!r}"
+        for i, line in enumerate(unmarked(path.read_text()).splitlines(), 1)
+        for m in MEASURED.finditer(line)
+    ]
+    assert not hits, "measured figures outside a <!-- fig --> / <!-- table --> span:\n" + "\n".join(hits)
+
+
+def test_results_files_say_where_they_came_from():
+    from k3.benchmark.docs_figures import REQUIRED, RESULTS
+
+    files = sorted(RESULTS.glob("*.json"))
+    assert files
+    for f in files:
+        data = json.loads(f.read_text())
+        assert all(data.get(k) for k in REQUIRED), f"{f.name}: needs {REQUIRED}"
+
+
+def test_a_hand_edited_figure_is_caught(tmp_path):
+    from k3.benchmark.docs_figures import load, render
+
+    (tmp_path / "r.json").write_text(
+        json.dumps({"command": "c", "commit": "abc", "machine": "m", "date": "d",
+                    "figures": {"speed": {"value": 2.5, "fmt": "{:.2f}x"}},
+                    "tables": {"t": {"header": ["a", "b"], "rows": [["x", "{speed}"]]}}})
+    )  # fmt: skip
+    load.cache_clear()
+    good = (
+        "k3 is <!-- fig r:speed -->2.50x<!-- /fig --> faster.\n"
+        "<!-- table r:t -->\n| a | b |\n|---|---|\n| x | 2.50x |\n<!-- /table -->"
+    )
+    assert render(good, tmp_path) == good
+    for edited in (good.replace(">2.50x<", ">2.60x<"), good.replace("| x | 2.50x |", "| x | 9.99x |")):
+        assert render(edited, tmp_path) == good != edited
+    with pytest.raises(ValueError, match="no figure 'nope'"):
+        render("<!-- fig r:nope -->1<!-- /fig -->", tmp_path)
+    assert MEASURED.search("decodes at 45.3 tok/s") and not MEASURED.search("<!-- fig r:speed -->")
+
+
+def test_a_bench_run_becomes_a_results_file(tmp_path):
+    from k3.benchmark.docs_figures import from_bench, load, render
+
+    run = {
+        "command": "k3 bench --only engine",
+        "machine": {"cpu": "Test CPU", "logical_cores": 2, "torch_threads": 1, "torch": "2.13",
+                    "python": "3.11", "date": "2026-01-01 00:00 UTC", "git_commit": "abc1234"},
+        "benches": [{"name": "engine", "result": {"figures": [
+            {"figure": "decode tok/s, batch 1", "value": 141.2, "unit": "tok/s", "peer": "HF",
+             "peer_value": 34.3, "ratio": 4.1166, "goal": 3, "goal_op": ">=", "goal_met": True}]}}],
+    }  # fmt: skip
+    results = from_bench(run)
+    assert results["commit"] == "abc1234" and "Test CPU" in results["machine"]
+    (tmp_path / "suite.json").write_text(json.dumps(results))
+    load.cache_clear()
+    text = (
+        "decode <!-- fig suite:engine.decode_tok_s_batch_1.ratio -->?<!-- /fig -->\n"
+        "<!-- table suite:suite -->\n<!-- /table -->"
+    )
+    out = render(text, tmp_path)
+    assert "-->4.12<!--" in out
+    assert "| engine | decode tok/s, batch 1 | 141 tok/s | HF: 34.3 tok/s | 4.12 | >= 3 | yes |" in out

@@ -33,6 +33,9 @@ HISTORY = re.compile(
 # path that follows a word character, a dot, ~ or another slash is relative or a URL; ~/.cache is a user
 # path).
 MACHINE_PATH = re.compile(r"(?<![\w.~/-])/(?:work|root|Users|home/[^/\s]+)/")
+# Talk about the writer's own machine or day in the docs ("on this machine", "today's", "so far"): a page
+# names the machine of a figure and states what the code does, not when.
+MACHINE_TALK = re.compile(r"\bthis (?:machine|VM|host)\b|\btoday'?s?\b|\bso far\b", re.IGNORECASE)
 DOC_LINK = re.compile(r"\bdocs/([\w-]+\.md)\b")
 
 # module prefix -> k3 subpackages it must never import
@@ -236,6 +239,10 @@ def machine_paths(text: str) -> list[str]:
     return [m.group(0) for m in MACHINE_PATH.finditer(text)]
 
 
+def machine_talk(text: str) -> list[str]:
+    return [m.group(0) for m in MACHINE_TALK.finditer(text)]
+
+
 def tracked_text_files() -> dict[str, str]:
     """{path: text} of every tracked file that is text (UTF-8 without NUL bytes); binaries are left out."""
     names = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout
@@ -273,6 +280,32 @@ def test_no_history_words():
 def test_no_machine_paths():
     bad = _offences(machine_paths)
     assert not bad, "absolute machine paths (use a relative or a documented user path):\n" + "\n".join(bad)
+
+
+def test_no_machine_talk_in_docs():
+    pages = [ROOT / "README.md", ROOT / "CHANGELOG.md", *sorted((ROOT / "docs").glob("**/*.md"))]
+    bad = [
+        f"{p.relative_to(ROOT)}:{i}: {hit!r}"
+        for p in pages
+        for i, line in enumerate(p.read_text().splitlines(), 1)
+        for hit in machine_talk(line)
+    ]
+    assert not bad, "name the machine and state the fact instead:\n" + "\n".join(bad)
+
+
+@pytest.mark.parametrize(
+    "text, bad",
+    [
+        ("5 minutes on this machine's 2 cores", True),
+        ("the CPU faults on AMX (this VM)", True),
+        ("at today's defaults", True),
+        ("in every run so far", True),
+        ("on a 2-core Intel Xeon (Sapphire Rapids)", False),
+        ("the conversation until now", False),
+    ],
+)
+def test_machine_talk_is_caught(text, bad):
+    assert bool(machine_talk(text)) == bad
 
 
 def test_docs_pages_are_short():
