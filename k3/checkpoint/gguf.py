@@ -206,6 +206,11 @@ def tokenizer_from_fields(fields: dict):
     return tokenizer_from_gguf_vocab(vocab)
 
 
+def read_gguf_tokenizer(path: str | Path):
+    """The K3Tokenizer of a kimi-k3 GGUF; no tensor is decoded."""
+    return tokenizer_from_fields(_reader(path).fields)
+
+
 # ---- tensors ----------------------------------------------------------------------------------------
 def tensor_types(reader) -> dict[str, str]:
     """GGUF tensor name -> GGML type name, in file order."""

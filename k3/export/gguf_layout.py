@@ -209,10 +209,10 @@ def state_from_gguf(tensors: dict[str, torch.Tensor], config: K3Config) -> dict[
     Values are float tensors, except that a routed-expert matrix may instead be given as its k3-packed
     MXFP4 parts under `NAME:weight_packed` / `NAME:weight_scale` (`blk.1.ffn_up_exps.weight:weight_scale`),
     which become `...experts.w3.weight_packed` / `.weight_scale` (PackedRoutedExperts' names). With
-    `config.tie_word_embeddings`, `output.weight` is dropped (the head is the embedding). Raises
+    `config.tie_word_embeddings`, `lm_head.weight` is the embedding and `output.weight` is not read. Raises
     ValueError naming the tensors that are missing or that have no place in a K3 model.
     """
-    present = {n.split(":")[0] for n in tensors}
+    present = {n.split(":")[0] for n in tensors} | ({"output.weight"} if config.tie_word_embeddings else set())
     missing = sorted(required_names(config) - present)
     if missing:
         raise ValueError(f"the GGUF lacks tensors its kimi-k3 metadata needs: {', '.join(missing[:5])}")
@@ -254,6 +254,8 @@ def state_from_gguf(tensors: dict[str, torch.Tensor], config: K3Config) -> dict[
         raise ValueError(f"GGUF tensors with no place in a K3 model: {', '.join(sorted(unknown)[:5])}")
     for i, parts in kv_b.items():
         out[f"model.layers.{i}.self_attn.kv_b_proj.weight"] = _join_kv_b(parts, config, i)
+    if config.tie_word_embeddings:  # our state_dict lists the shared head under both names
+        out["lm_head.weight"] = out["model.embed_tokens.weight"]
     return out
 
 
