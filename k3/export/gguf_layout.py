@@ -212,7 +212,9 @@ def state_from_gguf(tensors: dict[str, torch.Tensor], config: K3Config) -> dict[
     `config.tie_word_embeddings`, `lm_head.weight` is the embedding and `output.weight` is not read. Raises
     ValueError naming the tensors that are missing or that have no place in a K3 model.
     """
-    present = {n.split(":")[0] for n in tensors} | ({"output.weight"} if config.tie_word_embeddings else set())
+    present = {n.split(":")[0] for n in tensors}
+    if config.tie_word_embeddings:
+        present.add("output.weight")
     missing = sorted(required_names(config) - present)
     if missing:
         raise ValueError(f"the GGUF lacks tensors its kimi-k3 metadata needs: {', '.join(missing[:5])}")
