@@ -275,3 +275,49 @@ def test_generate_eval_and_serve_open_a_gguf(source, tmp_path, capsys):
     add_arguments(p)
     engine = build_engine(p.parse_args([path, "--max-model-len", "128", "--page-size", "16"]))
     assert engine.tokenizer is not None and engine.model.config == load_gguf(path).config
+
+
+def _llama_quantize_type(name: str, t: torch.Tensor, ftype: str) -> str:
+    """The type llama.cpp's quantizer picks for a kimi-k3 tensor (src/llama-quant.cpp, read for this
+    test): F32 for 1-D tensors, norms, the router and the convs; MXFP4_MOE: MXFP4 for 3-D tensors with
+    more than one matrix, else Q8_0; a width that is not whole 32-blocks falls back to F16."""
+    skip = ("_norm.weight", "ffn_gate_inp.weight", "ssm_conv1d")
+    if t.ndim < 2 or not name.endswith("weight") or any(s in name for s in skip):
+        return "F32"
+    kind = "MXFP4" if ftype == "MXFP4_MOE" and t.ndim == 3 and t.shape[0] > 1 else "Q8_0"
+    return kind if t.shape[-1] % 32 == 0 else "F16"
+
+
+@pytest.mark.parametrize("ftype", ["Q8_0", "MXFP4_MOE"])
+def test_files_typed_as_llamacpp_quantizes_them(source, tokenizer_dir, tmp_path, monkeypatch, ftype):
+    """Mixed types in one file, each tensor encoded by the gguf package as llama.cpp's quantizer would
+    store it (F16 fallbacks, MXFP4 MLA blocks): k3 decodes each as gguf does."""
+    model, config, _ = source
+    tensors = gguf_tensors(model.state_dict(), config)
+    kinds = {n: _llama_quantize_type(n, t, ftype) for n, t in tensors.items()}
+
+    def as_llamacpp(g, name, t, outtype):
+        kind = kinds[name]
+        if kind == "F32":
+            return t.float().contiguous().numpy(), None
+        if kind == "F16":
+            return t.float().numpy().astype(np.float16), None
+        return gguf.quants.quantize(t.float().contiguous().numpy(), Q[kind]), Q[kind]
+
+    monkeypatch.setattr(gguf_export, "_encode", as_llamacpp)
+    path = gguf_export.write_gguf(model.state_dict(), config, tokenizer_dir, tmp_path / "m.gguf")
+    ck = load_gguf(path, packed_experts=False)
+    assert ck.tensor_types == kinds
+    assert {"F32", "F16", "Q8_0"} <= set(kinds.values())
+    for name, t in tensors.items():
+        if kinds[name] == "F16":
+            tensors[name] = t.half().float()
+        elif kinds[name] != "F32":
+            q = Q[kinds[name]]
+            tensors[name] = torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(t.numpy(), q), q))
+    twin = copy.deepcopy(model)
+    twin.load_state_dict(state_from_gguf(tensors, config))
+    with torch.no_grad():
+        assert torch.equal(ck.model(_ids()).logits, twin(_ids()).logits)
+    if ftype == "MXFP4_MOE":
+        assert load_gguf(path).packed_layers == list(range(config.first_k_dense_replace, 4))
