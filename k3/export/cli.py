@@ -27,7 +27,8 @@ def add_arguments(parser) -> None:
         "--outtype",
         choices=OUTTYPES,
         default="f32",
-        help="GGUF tensor storage: f32, bf16, q8_0 matrices, or mxfp4 routed experts (default f32)",
+        help="GGUF tensor storage: f32, bf16, q8_0 matrices, mxfp4 routed experts, or mxfp4_moe "
+        "(llama.cpp's MXFP4_MOE: MXFP4 experts, Q8_0 matrices) (default f32)",
     )
     parser.add_argument(
         "--dtype", choices=tuple(DTYPES), default="keep", help="hf: floating dtype to store (default keep)"

@@ -150,7 +150,7 @@ def _rounded_twin(model, config, outtype):
     tensors = gguf_tensors(model.state_dict(), config)
     for name, t in tensors.items():
         kind = stored_type(name, t, outtype)
-        if kind == "mxfp4":
+        if kind == "mxfp4" and outtype == "mxfp4":
             tensors[name] = fake_quant_mx(t.float(), "mxfp4")
         elif kind != "f32":
             q = Q[kind.upper()]
@@ -292,7 +292,7 @@ def _llama_quantize_type(name: str, t: torch.Tensor, ftype: str) -> str:
 def test_files_typed_as_llamacpp_quantizes_them(source, tokenizer_dir, tmp_path, monkeypatch, ftype):
     """Mixed types in one file, each tensor encoded by the gguf package as llama.cpp's quantizer would
     store it (F16 fallbacks, MXFP4 MLA blocks): k3 decodes each as gguf does."""
-    model, config, _ = source
+    model, config, files = source
     tensors = gguf_tensors(model.state_dict(), config)
     kinds = {n: _llama_quantize_type(n, t, ftype) for n, t in tensors.items()}
 
@@ -321,3 +321,9 @@ def test_files_typed_as_llamacpp_quantizes_them(source, tokenizer_dir, tmp_path,
         assert torch.equal(ck.model(_ids()).logits, twin(_ids()).logits)
     if ftype == "MXFP4_MOE":
         assert load_gguf(path).packed_layers == list(range(config.first_k_dense_replace, 4))
+        # `k3 export --outtype mxfp4_moe` writes the same types and bytes
+        ours = gguf.GGUFReader(files["mxfp4_moe"])
+        theirs = {t.name: t for t in gguf.GGUFReader(path).tensors}
+        for t in ours.tensors:
+            assert t.tensor_type == theirs[t.name].tensor_type, t.name
+            assert np.array_equal(t.data, theirs[t.name].data), t.name

@@ -7,6 +7,7 @@ token windows as llama.cpp running that same file.
 
 import subprocess
 
+import numpy as np
 import pytest
 import torch
 
@@ -64,3 +65,27 @@ def test_llama_quantize_output_loads_and_matches_llamacpp(llamacpp, f32_gguf, ft
     # the same stored weights on both sides: what differs is llama.cpp quantizing its activations
     assert stats["top1"] >= 0.95 and stats["mean_kl"] <= 2e-3, stats
     assert abs(stats["ppl_k3"] / stats["ppl_llama"] - 1) <= 5e-3, stats
+
+
+@pytest.mark.parametrize(("ftype", "outtype"), [("Q8_0", "q8_0"), ("MXFP4_MOE", "mxfp4_moe")])
+def test_k3_export_writes_llama_quantize_bytes(llamacpp, f32_gguf, ftype, outtype):
+    """Every tensor of `k3 export --outtype mxfp4_moe` has the type and bytes llama-quantize gives the f32
+    export; for q8_0, every tensor whose input width is whole 32-blocks (k3's q8_0 keeps the others F32,
+    as llama.cpp's converter does; llama-quantize stores them F16)."""
+    import gguf
+
+    src = f32_gguf.parent / "ckpt"
+    ours_path = f32_gguf.with_name(f"k3-{outtype}.gguf")
+    args = ["export", str(src), "--out", str(ours_path), "--format", "gguf", "--outtype", outtype]
+    assert main(args) == 0
+    theirs = {t.name: t for t in gguf.GGUFReader(_quantize(llamacpp, f32_gguf, ftype)).tensors}
+    ours = gguf.GGUFReader(ours_path).tensors
+    assert {t.name for t in ours} == set(theirs)
+    compared = 0
+    for t in ours:
+        if outtype == "q8_0" and int(t.shape[0]) % 32:
+            continue
+        assert t.tensor_type == theirs[t.name].tensor_type, t.name
+        assert np.array_equal(np.asarray(t.data), np.asarray(theirs[t.name].data)), t.name
+        compared += 1
+    assert compared >= len(ours) - 2 * NANO.num_hidden_layers
