@@ -29,7 +29,7 @@ from k3.model.init import init_weights
 from k3.model.transformer import K3ForCausalLM
 from k3.quant.ggml import decode, mxfp4_to_packed
 from k3.quant.mx import fake_quant_mx, quantize_mx
-from k3.quant.packed import PackedRoutedExperts
+from k3.quant.packed import PackedRoutedExperts, expert_bytes
 from k3.tokenizer import K3Tokenizer, train_tokenizer
 
 Q = gguf.GGMLQuantizationType
@@ -193,6 +193,8 @@ def test_mxfp4_experts_stay_packed_with_the_codes_of_k3_quantize(source):
     ck = load_gguf(files["mxfp4"])
     moe = [i for i in range(config.num_hidden_layers) if i >= config.first_k_dense_replace]
     assert ck.packed_layers == moe
+    held = expert_bytes(ck.model)
+    assert held["dense"] == 0 and held["packed"] * 3 < held["bf16_equivalent"]  # no decoded copy
     for i in moe:
         packed = ck.model.model.layers[i].block_sparse_moe.experts
         assert isinstance(packed, PackedRoutedExperts)
@@ -221,8 +223,11 @@ def test_engine_on_the_gguf_generates_the_source_tokens(source, outtype):
     ref = model if outtype == "f32" else _rounded_twin(model, config, outtype)
     prompts = [p.tolist() for p in _ids(2, 20)]
     got = _greedy(engine, prompts)
-    want = _greedy(Engine(copy.deepcopy(ref), copy.deepcopy(cfg)), prompts)
+    ref_engine = Engine(copy.deepcopy(ref), copy.deepcopy(cfg))
+    want = _greedy(ref_engine, prompts)
     assert got == want and len(set(map(tuple, got))) == 2
+    # the GGUF's model takes the same decode path (the native whole-model step where it is built)
+    assert (engine.runner.decode.native() is None) == (ref_engine.runner.decode.native() is None)
 
 
 def test_unknown_tensor_types_are_refused_by_name(tokenizer_dir, tmp_path, monkeypatch):
