@@ -184,6 +184,7 @@ def _config(reader) -> K3Config:
         embd is not None
         and embd.tensor_type == head.tensor_type
         and embd.data.shape == head.data.shape
+        and np.array_equal(embd.data[:1], head.data[:1])  # an untied head differs in its first row
         and np.array_equal(embd.data, head.data)
     )
     latent_norm = any(n.endswith("ffn_routed_norm.weight") for n in by_name)
