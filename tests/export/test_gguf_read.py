@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 
+from k3.checkpoint.adapter import is_f32_tensor
 from k3.checkpoint.gguf import is_gguf, load_gguf, read_gguf_config
 from k3.checkpoint.io import save_checkpoint
 from k3.cli import main
@@ -332,3 +333,16 @@ def test_files_typed_as_llamacpp_quantizes_them(source, tokenizer_dir, tmp_path,
         for t in ours.tensors:
             assert t.tensor_type == theirs[t.name].tensor_type, t.name
             assert np.array_equal(t.data, theirs[t.name].data), t.name
+
+
+def test_a_bf16_file_loads_in_bf16_without_rounding(source):
+    _, _, files = source
+    f32 = load_gguf(files["bf16"]).model.state_dict()
+    bf16 = load_gguf(files["bf16"], dtype=torch.bfloat16)
+    assert bf16.config.dtype == "bfloat16"
+    for name, t in bf16.model.state_dict().items():
+        assert t.dtype == (torch.float32 if is_f32_tensor(name) else torch.bfloat16), name
+        if t.ndim >= 2 and not name.endswith(("gate.weight", "_res_proj.weight")):  # stored as BF16
+            assert torch.equal(t.float(), f32[name]), name
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        load_gguf(files["bf16"], dtype=torch.int8)
