@@ -24,12 +24,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from k3.checkpoint.adapter import is_f32_tensor, short_list
 from k3.config import K3Config, LinearAttnConfig
+
+if TYPE_CHECKING:
+    from k3.tokenizer import K3Tokenizer
 
 ARCH = "kimi-k3"
 _ROUTED = ("ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight")
@@ -40,7 +44,7 @@ _DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: 
 class GGUFCheckpoint:
     model: torch.nn.Module  # K3ForCausalLM, eval mode
     config: K3Config
-    tokenizer: object  # K3Tokenizer
+    tokenizer: K3Tokenizer
     chat_template: str | None
     tensor_types: dict[str, str] = field(default_factory=dict)  # GGUF tensor name -> GGML type name
     packed_layers: list[int] = field(default_factory=list)  # layers whose routed experts stay MXFP4
@@ -192,7 +196,7 @@ def _config(reader) -> K3Config:
 
 
 # ---- tokenizer and chat template --------------------------------------------------------------------
-def tokenizer_from_fields(fields: dict):
+def tokenizer_from_fields(fields: dict) -> K3Tokenizer:
     """K3Tokenizer from the `tokenizer.ggml.*` keys (see k3.tokenizer_export.tokenizer_from_gguf_vocab)."""
     from k3.tokenizer_export import GGUFVocab, tokenizer_from_gguf_vocab
 
@@ -207,7 +211,7 @@ def tokenizer_from_fields(fields: dict):
     return tokenizer_from_gguf_vocab(vocab)
 
 
-def read_gguf_tokenizer(path: str | Path):
+def read_gguf_tokenizer(path: str | Path) -> K3Tokenizer:
     """The K3Tokenizer of a kimi-k3 GGUF; no tensor is decoded."""
     return tokenizer_from_fields(_reader(path).fields)
 
