@@ -3,6 +3,7 @@
     k3 export runs/k3-tiny --out k3-tiny-release                     # release layout (safetensors)
     k3 export runs/k3-tiny --out k3-tiny.gguf --format gguf          # llama.cpp's kimi-k3, f32
     k3 export runs/k3-tiny --out k3-tiny-q8.gguf --format gguf --outtype q8_0
+    k3 export runs/k3-tiny --out k3-tiny-moe.gguf --format gguf --outtype mxfp4_moe   # llama.cpp's recipe
 
 SRC is a checkpoint directory, a run folder (its final weights, else its latest checkpoints/step-N), a
 `k3 quantize` output, or a DCP checkpoint of distributed training. See docs/interop.md.
@@ -27,7 +28,8 @@ def add_arguments(parser) -> None:
         "--outtype",
         choices=OUTTYPES,
         default="f32",
-        help="GGUF tensor storage: f32, bf16, q8_0 matrices, or mxfp4 routed experts (default f32)",
+        help="GGUF tensor storage: f32, bf16, q8_0 matrices, mxfp4 routed experts, or mxfp4_moe "
+        "(llama.cpp's MXFP4_MOE: MXFP4 experts, Q8_0 matrices) (default f32)",
     )
     parser.add_argument(
         "--dtype", choices=tuple(DTYPES), default="keep", help="hf: floating dtype to store (default keep)"

@@ -17,6 +17,11 @@ as in llama.cpp's own converter, because they are small and the router's choice 
     q8_0    matrices Q8_0 (blocks of 32 along the input width; a matrix whose input width is not a
             multiple of 32 stays F32)
     mxfp4   routed experts MXFP4 (the codes k3's MXFP4 checkpoints hold, bit for bit), the rest F32
+    mxfp4_moe  llama.cpp's MXFP4_MOE recipe, as its quantizer (`llama-quantize F32.gguf OUT MXFP4_MOE`,
+            src/llama-quant.cpp) types an f32 file: every 3-D tensor holding more than one matrix (the
+            routed experts, and MLA's attn_k_b / attn_v_b) MXFP4 with ggml's own rounding (the `gguf`
+            package's port of it), every other matrix Q8_0 (the router F32), a matrix whose input width
+            is not a multiple of 32 F16
 """
 
 import json
@@ -30,10 +35,10 @@ from k3.quant.mx import quantize_mx
 from k3.tokenizer import K3Tokenizer
 
 ARCH = "kimi-k3"
-OUTTYPES = ("f32", "bf16", "q8_0", "mxfp4")
+OUTTYPES = ("f32", "bf16", "q8_0", "mxfp4", "mxfp4_moe")
 BLOCK = 32
 # general.file_type (llama.cpp's llama_ftype) per outtype
-_FILE_TYPES = {"f32": 0, "bf16": 32, "q8_0": 7, "mxfp4": 38}
+_FILE_TYPES = {"f32": 0, "bf16": 32, "q8_0": 7, "mxfp4": 38, "mxfp4_moe": 38}
 _GATING_SIGMOID = 2  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID
 
 
@@ -180,12 +185,16 @@ def chat_template(tokenizer_dir: str | Path) -> str | None:
 
 # ---- tensor encodings ---------------------------------------------------------------------------------
 def stored_type(name: str, t: torch.Tensor, outtype: str) -> str:
-    """What `name` is stored as for `outtype`: "f32", "bf16", "q8_0" or "mxfp4"."""
+    """What `name` is stored as for `outtype`: "f32", "f16", "bf16", "q8_0" or "mxfp4"."""
     short = name.split(".", 2)[-1] if name.startswith("blk.") else name  # drop "blk.{i}."
     if outtype == "f32" or t.ndim not in (2, 3) or short == ROUTER:
         return "f32"
     if outtype == "mxfp4":
         return "mxfp4" if short in ROUTED_EXPERTS else "f32"
+    if outtype == "mxfp4_moe":
+        if t.shape[-1] % BLOCK:
+            return "f16"  # llama.cpp's fallback for a width no 32-element block type fits
+        return "mxfp4" if t.ndim == 3 and t.shape[0] > 1 else "q8_0"
     if outtype == "q8_0" and t.shape[-1] % BLOCK:
         return "f32"
     return outtype
@@ -199,8 +208,12 @@ def _encode(gguf, name: str, t: torch.Tensor, outtype: str):
         return t.float().contiguous().numpy(), None
     if kind == "bf16":
         return t.to(torch.bfloat16).contiguous().view(torch.uint8).numpy(), q.BF16
+    if kind == "f16":
+        return t.float().numpy().astype("float16"), None
     if kind == "q8_0":
         return gguf.quants.quantize(t.float().contiguous().numpy(), q.Q8_0), q.Q8_0
+    if outtype == "mxfp4_moe":  # ggml's rounding (ties toward zero), as llama.cpp's quantizer writes
+        return gguf.quants.quantize(t.float().contiguous().numpy(), q.MXFP4), q.MXFP4
     return mxfp4_blocks(t).numpy(), q.MXFP4
 
 

@@ -18,6 +18,12 @@ Five tensors are not a plain rename:
 
 The routed experts are already stacked in our state_dict ([E, out, in]); w1 / w3 / w2 are ggml's
 gate / up / down.
+
+`state_from_gguf` inverts all of it for the reader (k3.checkpoint.gguf). Every step is exact on f32
+values: an AttnRes score comes back as a key-norm gain of ones and the score as the pseudo-query (our
+mixture multiplies the two in f32 before use, so the product is the stored score bit for bit); `A_log`
+is the float whose -exp gives `ssm_a` back (searched around log(-ssm_a)); the convs and kv_b are
+reshapes and transposes.
 """
 
 import re
@@ -74,6 +80,7 @@ _RES_PAIRS = {"self_attention_res": "attn_res_score.weight", "mlp_res": "ffn_res
 _OUTPUT_RES = "model.output_attn_res"
 _CONVS = {"q_conv1d": "ssm_conv1d_q", "k_conv1d": "ssm_conv1d_k", "v_conv1d": "ssm_conv1d_v"}
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+_BLK = re.compile(r"^blk\.(\d+)\.(.+)$")
 
 ROUTED_EXPERTS = ("ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight")
 ROUTER = "ffn_gate_inp.weight"
@@ -187,3 +194,99 @@ def _split_kv_b(kv_b: torch.Tensor, config: K3Config, blk: str) -> Iterator[tupl
     per_head = kv_b.reshape(h, dn + dv, kv_b.shape[-1])
     yield blk + "attn_k_b.weight", per_head[:, :dn].transpose(1, 2).contiguous()
     yield blk + "attn_v_b.weight", per_head[:, dn:].contiguous()
+
+
+# ---- the inverse: GGUF tensors -> our state_dict ------------------------------------------------------
+_LAYER_INVERSE = {theirs: ours for ours, theirs in _LAYER_RENAMES.items()}
+_CONV_INVERSE = {f"{theirs}.weight": f"self_attn.{ours}.weight" for ours, theirs in _CONVS.items()}
+_RES_INVERSE = {theirs: ours for ours, theirs in _RES_PAIRS.items()}
+_EXPERT_PARTS = ("weight_packed", "weight_scale")
+
+
+def state_from_gguf(tensors: dict[str, torch.Tensor], config: K3Config) -> dict[str, torch.Tensor]:
+    """Inverse of `gguf_tensors`: {GGUF name: tensor in torch layout} -> our state_dict.
+
+    Values are float tensors, except that a routed-expert matrix may instead be given as its k3-packed
+    MXFP4 parts under `NAME:weight_packed` / `NAME:weight_scale` (`blk.1.ffn_up_exps.weight:weight_scale`),
+    which become `...experts.w3.weight_packed` / `.weight_scale` (PackedRoutedExperts' names). With
+    `config.tie_word_embeddings`, `lm_head.weight` is the embedding and `output.weight` is not read. Raises
+    ValueError naming the tensors that are missing or that have no place in a K3 model.
+    """
+    present = {n.split(":")[0] for n in tensors}
+    if config.tie_word_embeddings:
+        present.add("output.weight")
+    missing = sorted(required_names(config) - present)
+    if missing:
+        raise ValueError(f"the GGUF lacks tensors its kimi-k3 metadata needs: {', '.join(missing[:5])}")
+    top = {theirs: ours for ours, theirs in _TOP_RENAMES.items()}
+    out: dict[str, torch.Tensor] = {}
+    unknown: list[str] = []
+    kv_b: dict[int, dict[str, torch.Tensor]] = {}
+    for name, t in tensors.items():
+        base, _, part = name.partition(":")
+        if name == "output.weight" and config.tie_word_embeddings:
+            continue
+        if name in top:
+            out[top[name]] = t
+        elif name == "output_res_score.weight":
+            out.update(_res_pair(_OUTPUT_RES, t))
+        elif m := _BLK.match(base):
+            i, rest, p = int(m[1]), m[2], f"model.layers.{m[1]}."
+            if part and (rest not in ROUTED_EXPERTS or part not in _EXPERT_PARTS):
+                unknown.append(name)
+            elif part:
+                out[p + _LAYER_INVERSE[rest] + "." + part] = t
+            elif rest in _RES_INVERSE:
+                out.update(_res_pair(p + _RES_INVERSE[rest], t))
+            elif rest == "ssm_a":
+                out[p + "self_attn.A_log"] = a_log_from_ssm_a(t)
+            elif rest in _CONV_INVERSE:
+                out[p + _CONV_INVERSE[rest]] = t.reshape(t.shape[-3], 1, t.shape[-1])
+            elif rest in ("ssm_g.weight", "attn_gate.weight"):
+                out[p + "self_attn.g_proj.weight"] = t
+            elif rest in ("attn_k_b.weight", "attn_v_b.weight"):
+                kv_b.setdefault(i, {})[rest] = t
+            elif rest in _LAYER_INVERSE:
+                out[p + _LAYER_INVERSE[rest]] = t
+            else:
+                unknown.append(name)
+        else:
+            unknown.append(name)
+    if unknown:
+        raise ValueError(f"GGUF tensors with no place in a K3 model: {', '.join(sorted(unknown)[:5])}")
+    for i, parts in kv_b.items():
+        out[f"model.layers.{i}.self_attn.kv_b_proj.weight"] = _join_kv_b(parts, config, i)
+    if config.tie_word_embeddings:  # our state_dict lists the shared head under both names
+        out["lm_head.weight"] = out["model.embed_tokens.weight"]
+    return out
+
+
+def _res_pair(prefix: str, score: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A fused AttnRes score [D] -> key-norm gain (ones) and pseudo-query [1, D] with the same product."""
+    return {f"{prefix}_norm.weight": torch.ones_like(score), f"{prefix}_proj.weight": score.reshape(1, -1)}
+
+
+def a_log_from_ssm_a(ssm_a: torch.Tensor) -> torch.Tensor:
+    """The f32 `A_log` [H] whose -exp(A_log) equals `ssm_a` [H] bit for bit where such a float lies within
+    a few ulps of log(-ssm_a) (always, for a file `gguf_tensors` wrote); elsewhere log(-ssm_a)."""
+    target = ssm_a.float()
+    best = torch.log(-target)
+    found = -torch.exp(best) == target
+    up = down = best
+    for _ in range(4):
+        up = torch.nextafter(up, torch.full_like(up, float("inf")))
+        down = torch.nextafter(down, torch.full_like(down, float("-inf")))
+        for cand in (up, down):
+            hit = ~found & (-torch.exp(cand) == target)
+            best, found = torch.where(hit, cand, best), found | hit
+    return best
+
+
+def _join_kv_b(parts: dict[str, torch.Tensor], config: K3Config, i: int) -> torch.Tensor:
+    """attn_k_b [H, R, Dn] + attn_v_b [H, Dv, R] -> kv_b_proj [H (Dn + Dv), R]."""
+    h, dn, dv, r = config.num_attention_heads, config.qk_nope_head_dim, config.v_head_dim, config.kv_lora_rank
+    k_b, v_b = parts.get("attn_k_b.weight"), parts.get("attn_v_b.weight")
+    if k_b is None or v_b is None or tuple(k_b.shape) != (h, r, dn) or tuple(v_b.shape) != (h, dv, r):
+        got = {n: list(t.shape) for n, t in parts.items()}
+        raise ValueError(f"blk.{i}: expected attn_k_b [{h}, {r}, {dn}], attn_v_b [{h}, {dv}, {r}]; got {got}")
+    return torch.cat([k_b.transpose(1, 2), v_b], dim=1).reshape(h * (dn + dv), r).contiguous()

@@ -235,12 +235,18 @@ class Engine:
     def from_checkpoint(
         cls, ckpt_dir: str, config: EngineConfig | None = None, device: str = "cpu"
     ) -> Engine:
-        """Model (k3.checkpoint) + tokenizer (K3Tokenizer files in the same directory, if any)."""
+        """Model (k3.checkpoint) + tokenizer (K3Tokenizer files in the same directory, if any), or a
+        kimi-k3 GGUF file's model and tokenizer (k3.checkpoint.gguf: MXFP4 routed experts stay packed,
+        other tensors are decoded to float32)."""
         from pathlib import Path
 
+        from k3.checkpoint.gguf import is_gguf, load_gguf
         from k3.checkpoint.io import load_checkpoint
         from k3.tokenizer import K3Tokenizer
 
+        if is_gguf(ckpt_dir):
+            gguf = load_gguf(ckpt_dir, device=device)
+            return cls(gguf.model, config, tokenizer=gguf.tokenizer)
         model, _ = load_checkpoint(ckpt_dir, device=device)
         d = Path(ckpt_dir)
         has_tok = (d / "tokenizer_config.json").exists()

@@ -19,7 +19,9 @@ PIECE_CHARS = 1 << 20
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("checkpoint", help="checkpoint directory (config.json, safetensors, tokenizer files)")
+    p.add_argument(
+        "checkpoint", help="checkpoint directory (config.json, safetensors, tokenizer files) or .gguf file"
+    )
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--prompt-file", help="file holding the prompt (UTF-8 text, or token ids with --ids)")
@@ -101,6 +103,7 @@ def peak_rss_mib() -> float:
 def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
+    from k3.checkpoint.gguf import is_gguf, read_gguf_tokenizer
     from k3.infer.engine import Engine
     from k3.infer.sequence import SamplingParams, Status
     from k3.tokenizer import K3Tokenizer
@@ -108,7 +111,10 @@ def run(args: argparse.Namespace) -> int:
     if args.max_tokens < 0:
         raise ValueError(f"--max-tokens must be >= 0, got {args.max_tokens}")
     d = Path(args.checkpoint)
-    tok = K3Tokenizer.from_dir(d) if (d / "tokenizer_config.json").exists() else None
+    if is_gguf(d):
+        tok = read_gguf_tokenizer(d)
+    else:
+        tok = K3Tokenizer.from_dir(d) if (d / "tokenizer_config.json").exists() else None
     if tok is None and not args.ids:
         raise ValueError(f"checkpoint {args.checkpoint!r} has no tokenizer files: pass token ids with --ids")
     log = (lambda *a, **k: None) if args.quiet else (lambda *a, **k: print(*a, file=sys.stderr, **k))

@@ -10,7 +10,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "checkpoint",
         help="checkpoint directory (config.json, safetensors, tokenizer files), or a `k3 train` run "
-        "directory (its newest model: the latest checkpoints/step-N, or the finished run's files)",
+        "directory (its newest model: the latest checkpoints/step-N, or the finished run's files), or a "
+        "kimi-k3 .gguf file",
     )
     parser.add_argument("--max-model-len", type=int, default=8192, help="context length (prompt + output)")
     parser.add_argument(

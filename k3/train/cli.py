@@ -202,7 +202,7 @@ def run_train(args: argparse.Namespace) -> int:
 
 def _eval_args(p: argparse.ArgumentParser) -> None:
     p.description = "Validation loss and bits per byte of a checkpoint directory."
-    p.add_argument("dir", help="checkpoint directory (a run directory or checkpoints/step-N)")
+    p.add_argument("dir", help="checkpoint directory (a run directory or checkpoints/step-N) or .gguf file")
     p.add_argument("--data", help="corpus whose validation split to use (default: the run's, else stdlib)")
     p.add_argument("--seq-len", type=int, help="default: the run's (else 256)")
     p.add_argument("--batch-size", type=int, help="default: the run's (else 8)")
@@ -219,7 +219,7 @@ def _eval_args(p: argparse.ArgumentParser) -> None:
 
 def _sample_args(p: argparse.ArgumentParser) -> None:
     p.description = "Sample a continuation from a checkpoint directory."
-    p.add_argument("dir", help="checkpoint directory (a run directory or checkpoints/step-N)")
+    p.add_argument("dir", help="checkpoint directory (a run directory or checkpoints/step-N) or .gguf file")
     p.add_argument("--prompt", default="def ", help="text to continue")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.8, help="0: greedy")
@@ -230,9 +230,13 @@ def _sample_args(p: argparse.ArgumentParser) -> None:
 def _load(dir_: str):
     """(model, config, tokenizer, run TrainConfig or None) from a checkpoint directory."""
     from k3.checkpoint import load_checkpoint
+    from k3.checkpoint.gguf import is_gguf, load_gguf
     from k3.tokenizer import K3Tokenizer
     from k3.train.checkpointing import model_dir
 
+    if is_gguf(dir_):  # a kimi-k3 GGUF file: its model and tokenizer, no run settings
+        gguf = load_gguf(dir_)
+        return gguf.model.float().eval(), gguf.config, gguf.tokenizer, None
     d = model_dir(dir_)  # a run directory: its newest model (a killed run has only checkpoints)
     if not (d / "config.json").exists():
         raise ValueError(f"dir: {d} holds no config.json (not a checkpoint directory)")
