@@ -52,7 +52,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from k3.tokenizer_export import gguf_vocab, merges_from_ranks, token_bytes, write_tiktoken_model
+from k3.tokenizer_export import GGUFVocab, gguf_vocab, merges_from_ranks, token_bytes, write_tiktoken_model
 
 NUM_RESERVED = 256
 MIN_VOCAB_SIZE = 256 + NUM_RESERVED  # every byte plus the reserved block
@@ -525,3 +525,49 @@ def bytes_per_token(tokenizer: K3Tokenizer, texts: Iterable[str]) -> float:
     if n_tokens == 0:
         raise ValueError("texts must contain at least one non-empty text")
     return sum(len(t.encode("utf-8")) for t in texts) / n_tokens
+
+
+_MARKERS = ("<|open|>", "<|close|>", "<|sep|>")  # reserved but not special: decode keeps them
+
+
+def tokenizer_from_gguf_vocab(vocab: GGUFVocab) -> K3Tokenizer:
+    """Inverse of :func:`k3.tokenizer_export.gguf_vocab`: a K3Tokenizer from a GGUF's ``tokenizer.ggml.*``
+    values.
+
+    The ordinary ids ``0 .. n-257`` and the merges make an HF ``tokenizers`` byte-level BPE (as
+    :func:`k3.tokenizer.train_tokenizer` builds) cut by Kimi K2's split; the last 256 tokens are the
+    reserved block, named as in the file. Raises ValueError for a vocabulary this cannot reproduce: a
+    model other than ``gpt2``, a pre-tokenizer other than ``kimi-k2``, or fewer than 512 tokens."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    if vocab.model != "gpt2":
+        raise ValueError(f"tokenizer.ggml.model is {vocab.model!r}; k3 reads byte-level BPE ('gpt2') only")
+    if vocab.pre != "kimi-k2":
+        raise ValueError(
+            f"tokenizer.ggml.pre is {vocab.pre!r}; k3 reproduces only Kimi K2's split ('kimi-k2')"
+        )
+    n = len(vocab.tokens)
+    if n < MIN_VOCAB_SIZE:
+        raise ValueError(f"tokenizer.ggml.tokens holds {n} tokens, fewer than {MIN_VOCAB_SIZE}")
+    base = n - NUM_RESERVED
+    ordinary = {s: i for i, s in enumerate(vocab.tokens[:base])}
+    if len(ordinary) != base:
+        raise ValueError("tokenizer.ggml.tokens repeats an ordinary token")
+    merges = []
+    for m in vocab.merges:
+        a, sep, b = m.partition(" ")
+        if not sep or " " in b:
+            raise ValueError(f"tokenizer.ggml.merges holds {m!r}, not 'a b'")
+        merges.append((a, b))
+    tok = Tokenizer(models.BPE(vocab=ordinary, merges=merges))
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(PRE_TOKENIZER_PATTERN), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel()
+    reserved = [
+        ReservedToken(base + j, name, name not in _MARKERS) for j, name in enumerate(vocab.tokens[base:])
+    ]
+    return K3Tokenizer(_HFBackend(tok), base, reserved)

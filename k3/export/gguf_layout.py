@@ -19,7 +19,7 @@ Five tensors are not a plain rename:
 The routed experts are already stacked in our state_dict ([E, out, in]); w1 / w3 / w2 are ggml's
 gate / up / down.
 
-`state_from_gguf` inverts all of it for the reader (k3.checkpoint.gguf). Every step is exact on f32
+`state_from_gguf` inverts all of it for the reader (k3.export.gguf_read). Every step is exact on f32
 values: an AttnRes score comes back as a key-norm gain of ones and the score as the pseudo-query (our
 mixture multiplies the two in f32 before use, so the product is the stored score bit for bit); `A_log`
 is the float whose -exp gives `ssm_a` back (searched around log(-ssm_a)); the convs and kv_b are

@@ -236,12 +236,12 @@ class Engine:
         cls, ckpt_dir: str, config: EngineConfig | None = None, device: str = "cpu"
     ) -> Engine:
         """Model (k3.checkpoint) + tokenizer (K3Tokenizer files in the same directory, if any), or a
-        kimi-k3 GGUF file's model and tokenizer (k3.checkpoint.gguf: MXFP4 routed experts stay packed,
+        kimi-k3 GGUF file's model and tokenizer (k3.export.gguf_read: MXFP4 routed experts stay packed,
         other tensors are decoded to float32)."""
         from pathlib import Path
 
-        from k3.checkpoint.gguf import is_gguf, load_gguf
         from k3.checkpoint.io import load_checkpoint
+        from k3.export.gguf_read import is_gguf, load_gguf
         from k3.tokenizer import K3Tokenizer
 
         if is_gguf(ckpt_dir):

@@ -103,7 +103,7 @@ def peak_rss_mib() -> float:
 def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from k3.checkpoint.gguf import is_gguf, read_gguf_tokenizer
+    from k3.export.gguf_read import is_gguf, read_gguf_tokenizer
     from k3.infer.engine import Engine
     from k3.infer.sequence import SamplingParams, Status
     from k3.tokenizer import K3Tokenizer

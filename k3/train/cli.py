@@ -230,7 +230,7 @@ def _sample_args(p: argparse.ArgumentParser) -> None:
 def _load(dir_: str):
     """(model, config, tokenizer, run TrainConfig or None) from a checkpoint directory."""
     from k3.checkpoint import load_checkpoint
-    from k3.checkpoint.gguf import is_gguf, load_gguf
+    from k3.export.gguf_read import is_gguf, load_gguf
     from k3.tokenizer import K3Tokenizer
     from k3.train.checkpointing import model_dir
 

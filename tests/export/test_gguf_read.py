@@ -16,13 +16,13 @@ import pytest
 import torch
 
 from k3.checkpoint.adapter import is_f32_tensor
-from k3.checkpoint.gguf import is_gguf, load_gguf, read_gguf_config
 from k3.checkpoint.io import save_checkpoint
 from k3.cli import main
 from k3.config import preset
 from k3.export import gguf as gguf_export
 from k3.export.gguf import chat_template, mxfp4_blocks, stored_type
 from k3.export.gguf_layout import a_log_from_ssm_a, gguf_tensors, state_from_gguf
+from k3.export.gguf_read import is_gguf, load_gguf, read_gguf_config
 from k3.infer.config import EngineConfig
 from k3.infer.engine import Engine
 from k3.infer.sequence import SamplingParams

@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 import torch
 
-from k3.checkpoint.gguf import load_gguf
 from k3.checkpoint.io import save_checkpoint
 from k3.cli import main
 from k3.config import preset
+from k3.export.gguf_read import load_gguf
 from k3.model.init import init_weights
 from k3.model.transformer import K3ForCausalLM
 from k3.tokenizer import train_tokenizer

@@ -10,7 +10,7 @@ converter and quantizer write):
   are those with one KV head. Keys the file does not hold (training settings such as initializer_range
   or bias_update) take K3Config's defaults; they do not change inference. A head equal byte for byte to
   the embedding means tied embeddings;
-* `tokenizer.ggml.*` -> K3Tokenizer (`k3.tokenizer_export.tokenizer_from_gguf_vocab`): the `gpt2` model
+* `tokenizer.ggml.*` -> K3Tokenizer (`k3.tokenizer.tokenizer_from_gguf_vocab`): the `gpt2` model
   with the `kimi-k2` pre-tokenizer, its tokens and merges; the last 256 ids are the reserved block;
 * `tokenizer.chat_template` -> `GGUFCheckpoint.chat_template` (the text, or None);
 * tensors (`k3.quant.ggml`): F32, F16, BF16, Q8_0, Q4_0 and MXFP4, mapped back to our state_dict by
@@ -197,8 +197,9 @@ def _config(reader) -> K3Config:
 
 # ---- tokenizer and chat template --------------------------------------------------------------------
 def tokenizer_from_fields(fields: dict) -> K3Tokenizer:
-    """K3Tokenizer from the `tokenizer.ggml.*` keys (see k3.tokenizer_export.tokenizer_from_gguf_vocab)."""
-    from k3.tokenizer_export import GGUFVocab, tokenizer_from_gguf_vocab
+    """K3Tokenizer from the `tokenizer.ggml.*` keys (see k3.tokenizer.tokenizer_from_gguf_vocab)."""
+    from k3.tokenizer import tokenizer_from_gguf_vocab
+    from k3.tokenizer_export import GGUFVocab
 
     merges = _value(fields, "tokenizer.ggml.merges", [])
     vocab = GGUFVocab(
