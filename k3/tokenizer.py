@@ -279,8 +279,12 @@ class K3Tokenizer:
         """``[encode(t) for t in texts]`` (reserved names not matched), multi-threaded."""
         return self._backend.encode_batch(list(texts))
 
-    def decode(self, ids: Iterable[int], skip_special: bool = True) -> str:
-        """Text of ``ids``; special reserved tokens are dropped if ``skip_special``, markers always kept."""
+    def decode(
+        self, ids: Iterable[int], skip_special: bool = True, reserved_text: dict[int, str] | None = None
+    ) -> str:
+        """Text of ``ids``; special reserved tokens are dropped if ``skip_special``, markers always kept.
+        ``reserved_text`` maps reserved ids to the text they decode to instead of their names (the chat
+        parser marks its markers with characters no decoded text holds, `k3.chat_format.MARKED`)."""
         parts, run = [], []
         for i in map(int, ids):
             if not 0 <= i < self.vocab_size:
@@ -291,7 +295,9 @@ class K3Tokenizer:
             if run:
                 parts.append(self._backend.decode(run))
                 run = []
-            if not (skip_special and self.is_special(i)):
+            if reserved_text and i in reserved_text:
+                parts.append(reserved_text[i])
+            elif not (skip_special and self.is_special(i)):
                 parts.append(self.reserved[i - self.base].name)
         if run:
             parts.append(self._backend.decode(run))
