@@ -134,9 +134,10 @@ def create_app(engine: AsyncEngine, cfg: ServeConfig) -> FastAPI:
     pool = ThreadPoolExecutor(cfg.prepare_threads, thread_name_prefix="k3-prepare")
     image_pool = ThreadPoolExecutor(1, thread_name_prefix="k3-images")
     markers = tuple(marker_ids(tok).items()) if tok is not None else ()
-    # no text longer than this fits the context: no token decodes to more characters than its bytes
-    longest = max((len(b) for b in tok.ranks()), default=1) if tok is not None else 1
-    max_prompt_chars = cfg.max_model_len * max(longest, len("<|reserved_token_163839|>"))
+    # no text longer than this fits the context: no token stands for more characters than its bytes
+    # (or, for a reserved name in a completions prompt, its name)
+    longest = max([len(b) for b in tok.ranks()] + [len(r.name) for r in tok.reserved]) if tok is not None else 1
+    max_prompt_chars = cfg.max_model_len * longest
 
     async def in_pool(fn, *args, executor=None):
         return await asyncio.get_running_loop().run_in_executor(executor or pool, fn, *args)
