@@ -32,6 +32,7 @@ import asyncio
 import hashlib
 import hmac
 import json
+import re
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -136,7 +137,7 @@ def create_app(engine: AsyncEngine, cfg: ServeConfig) -> FastAPI:
     markers = tuple(marker_ids(tok).items()) if tok is not None else ()
     # no text longer than this fits the context: no token stands for more characters than its bytes
     # (or, for a reserved name in a completions prompt, its name)
-    longest = max([len(b) for b in tok.ranks()] + [len(r.name) for r in tok.reserved]) if tok is not None else 1
+    longest = 1 if tok is None else max([len(b) for b in tok.ranks()] + [len(r.name) for r in tok.reserved])
     max_prompt_chars = cfg.max_model_len * longest
 
     async def in_pool(fn, *args, executor=None):
@@ -166,9 +167,20 @@ def create_app(engine: AsyncEngine, cfg: ServeConfig) -> FastAPI:
             raise APIError(415, f"Content-Type must be application/json, got {ctype!r}")
         return await _read_body(request, cfg.max_body_bytes), key
 
+    def check_stops(data: dict) -> None:
+        """The stop-string limits on the parsed JSON, before anything walks a flood of them."""
+        stops = data.get("stop")
+        stops = [stops] if isinstance(stops, str) else stops if isinstance(stops, list) else []
+        if len(stops) > cfg.max_stop_strings:
+            raise APIError(422, f"stop: {len(stops)} stop strings; at most {cfg.max_stop_strings} "
+                           "(--max-stop-strings)", param="stop")  # fmt: skip
+        if any(isinstance(x, str) and len(x) > cfg.max_stop_chars for x in stops):
+            raise APIError(422, f"stop: a stop string is over {cfg.max_stop_chars} characters "
+                           "(--max-stop-chars)", param="stop")  # fmt: skip
+
     def validate(raw: bytes, model_cls):
         """(runs in the pool) body -> the request model, every limit checked."""
-        data = _parse_json(raw, cfg.max_json_depth)
+        data = _parse_json(raw, cfg.max_json_depth, before_walk=check_stops)
         try:
             req = model_cls.model_validate(data)
         except ValidationError as e:
@@ -179,13 +191,6 @@ def create_app(engine: AsyncEngine, cfg: ServeConfig) -> FastAPI:
             value = getattr(req, key, None)
             if value is not None and value > cfg.output_cap:
                 raise APIError(422, f"{key}: must be <= {cfg.output_cap} (--max-output-tokens)", param=key)
-        stops = req.stop_list()
-        if len(stops) > cfg.max_stop_strings:
-            raise APIError(422, f"stop: {len(stops)} stop strings; at most {cfg.max_stop_strings} "
-                           "(--max-stop-strings)", param="stop")  # fmt: skip
-        if any(len(x) > cfg.max_stop_chars for x in stops):
-            raise APIError(422, f"stop: a stop string is over {cfg.max_stop_chars} characters "
-                           "(--max-stop-chars)", param="stop")  # fmt: skip
         if req.model != cfg.served_model_name:
             raise APIError(404, f"model {req.model!r} does not exist", "not_found_error", "model")
         return req
@@ -467,9 +472,9 @@ def _reject_constant(name: str):
     raise ValueError(f"{name} is not JSON")
 
 
-def _parse_json(raw: bytes, max_depth: int = 64) -> dict:
+def _parse_json(raw: bytes, max_depth: int = 64, before_walk=None) -> dict:
     """Strict JSON: UTF-8, no NaN / Infinity, no lone surrogate escapes, an object at the top, arrays and
-    objects nested at most `max_depth` deep."""
+    objects nested at most `max_depth` deep. `before_walk(data)` checks what it can before the walk."""
     try:
         data = json.loads(raw.decode("utf-8"), parse_constant=_reject_constant)
     except UnicodeDecodeError:
@@ -480,7 +485,10 @@ def _parse_json(raw: bytes, max_depth: int = 64) -> dict:
         raise APIError(400, f"malformed JSON: {e}") from None
     if not isinstance(data, dict):
         raise APIError(400, "request body must be a JSON object")
-    too_deep, bad = _walk(data, max_depth)
+    if before_walk is not None:
+        before_walk(data)
+    # valid UTF-8 holds no surrogate: only a \uD800-\uDFFF escape can make one
+    too_deep, bad = _walk(data, max_depth, _SURROGATE_ESCAPE.search(raw) is not None)
     if too_deep:
         raise APIError(400, _too_deep(max_depth))
     if bad is not None:
@@ -488,13 +496,16 @@ def _parse_json(raw: bytes, max_depth: int = 64) -> dict:
     return data
 
 
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
 def _too_deep(max_depth: int) -> str:
     return f"request body nests arrays / objects over {max_depth} deep (--max-json-depth)"
 
 
-def _walk(data, max_depth: int) -> tuple[bool, str | None]:
+def _walk(data, max_depth: int, strings: bool = True) -> tuple[bool, str | None]:
     """One pass without recursion -> (nested over max_depth?, the path of the first string (key or
-    value) holding a lone surrogate, else None)."""
+    value) holding a lone surrogate, else None); `strings=False` checks the nesting alone."""
     first_bad = None
     stack = [(data, "", 1)]
     while stack:
@@ -503,14 +514,15 @@ def _walk(data, max_depth: int) -> tuple[bool, str | None]:
             if first_bad is None and not _valid_unicode(obj):
                 first_bad = path
             continue
-        if isinstance(obj, dict):
-            items = list(obj.items())
-        elif isinstance(obj, list):
-            items = [(str(i), v) for i, v in enumerate(obj)]
-        else:
+        if not isinstance(obj, dict | list):
             continue
         if depth > max_depth:
             return True, None
+        values = obj.values() if isinstance(obj, dict) else obj
+        if not strings:  # containers only: a list of 250,000 strings costs one pass in C
+            stack += [(v, "", depth + 1) for v in values if isinstance(v, dict | list)]
+            continue
+        items = list(obj.items()) if isinstance(obj, dict) else [(str(i), v) for i, v in enumerate(obj)]
         for k, v in reversed(items):  # reversed: the stack pops them in document order
             name = str(k).encode("utf-8", "backslashreplace").decode()  # printable in the error message
             sub = f"{path}.{name}" if path else name
