@@ -31,6 +31,10 @@ trained; `preserve_thinking=False` renders those channels empty). Structural tex
 markers; all user, tool and argument text is encoded with reserved names disallowed, so it cannot forge
 markers (`K3Tokenizer.encode(allow_special=False)`).
 
+Parsing: `parse_generation_ids` (token ids) and `parse_marked` (an engine's text with the marker ids
+decoded as MARKED characters) read the structure from the reserved marker ids alone, so generated text
+that spells `<|open|>` and the like stays text; `parse_generation` reads spelled markers from plain text.
+
 Images: with an `images` list passed to `render`, a user message's OpenAI `image_url` (or `image`)
 content part becomes the plain text `<|kimi_image_placeholder|>` at its place among the text parts, and
 its URL is appended to `images`; the model side expands each placeholder into the media tokens

@@ -1,11 +1,15 @@
 """HTTP routes: /v1/models, /v1/chat/completions, /v1/completions (stream and not), /health, /metrics,
 /openapi.json, and the web chat page at / (static files in k3/serve/static).
 
-Every request body is read with a size cap applied while it streams in (413 before the rest arrives),
-must be application/json (415), is decoded as UTF-8 (400), parsed as strict JSON (400: no NaN, no lone
-surrogates) and validated against the documented schema (422; k3.serve.protocol, k3.serve.openapi).
-With `--api-key`, every route but /health needs `Authorization: Bearer KEY` (compared in constant time;
-401 with `WWW-Authenticate`); the static page carries no data and asks for the key in the browser. An
+Every request passes the Host check (`k3.serve.guard`; 400 outside --allowed-hosts). Every POST must
+say Content-Type application/json (415; none is refused too, so a web page cannot post cross-site
+without a CORS preflight), its body is read with a size cap applied while it streams in (413 before the
+rest arrives), then, in a pool of worker threads and never on the event loop, decoded as UTF-8 (400),
+parsed as strict JSON (400: no NaN, no lone surrogates, at most --max-json-depth deep), checked against
+the stop-string limits and validated against the documented schema (422; k3.serve.protocol,
+k3.serve.openapi), rendered and tokenized. With `--api-key` (one or more), every route but /health
+needs `Authorization: Bearer KEY` (compared in constant time with every key; 401 with
+`WWW-Authenticate`); the static page carries no data and asks for the key in the browser. An
 unknown model is 404, a prompt that does not fit the context 400 with its token count, a full queue
 503 with `Retry-After`. Errors use OpenAI's error JSON. `max_tokens` is an upper bound (at most
 `--max-output-tokens`, also its default): generation also ends where the context does (finish_reason
@@ -15,15 +19,19 @@ One request's failure stays its own: tokenizing errors answer 400, a failure whi
 detokenizing it ends that request with 500 (or an error event when streaming) while its batch goes on,
 and anything else unexpected answers 500 in the OpenAI shape. A client that hangs up -- streaming or
 not, running or still queued -- is noticed by a watcher on the connection, which cancels its request:
-its pending place is free at once, its slot and pages before the engine's next step. The API key is also
-the prefix-cache salt, so tenants never share cached state.
+its pending place is free at once, its slot and pages before the engine's next step. The prefix-cache
+salt is a hash of the API key and the request's `cache_salt`: only requests with both the same share
+cached state. Chat answers are parsed from the generated marker ids (SamplingParams.reserved_text marks
+them in the engine's text), so text that spells a marker stays text.
 
 Images (an engine with `.vision`, `k3.vision.serving.load_vl_engine`): user messages may carry OpenAI
 `image_url` parts as data: URLs (base64 PNG/JPEG). Remote URLs, undecodable, truncated or oversized
 images and literal image placeholders in the text answer 400 for that request alone; nothing in a
-request makes the server read a file or fetch a URL. The images are decoded and embedded before the
-request reaches the engine, and each image's content hash enters the prefix-cache keys of the units its
-tokens occupy (`k3.infer.media`).
+request makes the server read a file or fetch a URL. Each image's size and token count come from its
+header, so --max-images, --max-image-pixels and the context are checked before any pixel is decoded;
+the images of a request that fits are decoded (in their own thread, one at a time) and embedded before
+the request reaches the engine, and each image's content hash enters the prefix-cache keys of the units
+its tokens occupy (`k3.infer.media`).
 """
 
 from __future__ import annotations
