@@ -35,8 +35,9 @@ def stop_at(text: str, stops: tuple[str, ...], checked: int = 0) -> int:
     return -1
 
 
-def stop_at_reference(text: str, stops: tuple[str, ...]) -> int:
-    """`stop_at` over the whole text (the plain form the tests compare it with)."""
+def stop_at_reference(text: str, stops: tuple[str, ...], checked: int = 0) -> int:
+    """`stop_at` searching the whole text every time, `checked` unused (the plain form the tests compare
+    it with)."""
     for s in stops:
         at = text.find(s)
         if at >= 0:

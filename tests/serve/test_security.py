@@ -87,7 +87,7 @@ def test_incremental_stop_search_equals_the_whole_text_search():
         while found < 0 and len(text) < 40:
             text += "".join(rng.choice("abc") for _ in range(rng.randint(1, 3)))
             found = stop_at(text, stops, checked)
-            assert found == stop_at_reference(text, stops), (text, stops, checked)
+            assert found == stop_at_reference(text, stops, checked), (text, stops, checked)
             checked = len(text)
 
 
@@ -97,6 +97,23 @@ def test_deep_json_answers_400(server, depth):
     body = b'{"model": "kimi-k3", "prompt": "a", "x": ' + b"[" * depth + b"]" * depth + b"}"
     status, _, err, _ = call(server, "POST", "/v1/completions", body)
     assert status == 400 and "--max-json-depth" in err["error"]["message"], err
+
+
+def test_nesting_walk_without_strings_equals_the_full_walk():
+    from k3.serve.app import _walk
+
+    rng = random.Random(1)
+
+    def tree(depth):
+        if depth == 0 or rng.random() < 0.2:
+            return rng.choice(["s", 1, None])
+        kids = [tree(depth - 1) for _ in range(rng.randint(0, 3))]
+        return kids if rng.random() < 0.5 else {f"k{i}": k for i, k in enumerate(kids)}
+
+    for _ in range(300):
+        data = {"x": tree(rng.randint(0, 9))}
+        for limit in range(1, 10):
+            assert _walk(data, limit, strings=False)[0] == _walk(data, limit, strings=True)[0]
 
 
 def test_json_within_the_depth_limit_is_served(server):
@@ -249,6 +266,14 @@ def test_health_answers_while_a_huge_prompt_is_tokenized(checkpoint, launch):
         assert worst < 0.25 * took, (worst, took)  # ... and /health did not wait for it
     finally:
         s.stop()
+
+
+def test_encode_that_releases_the_gil_gives_the_same_ids(checkpoint):
+    from k3.tokenizer import K3Tokenizer
+
+    tok = K3Tokenizer.from_dir(checkpoint)
+    for text in ("the quick brown fox", "", "  über\n\ttabs 123 <|open|> x" * 50):
+        assert tok.encode(text) == tok._backend.tok.encode(text, add_special_tokens=False).ids
 
 
 # ---- tool calls from the model's own tokens -------------------------------------------------------------
