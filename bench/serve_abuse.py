@@ -184,30 +184,41 @@ def auth(key: str) -> dict:
     return {"Content-Type": "application/json", "Authorization": f"Bearer {key}"}
 
 
-def with_neighbour(ask, abuse, window_s: float = 0.0) -> tuple[object, dict]:
-    """The neighbour's `ask()` latency alone (median of 5, just before), then its requests one after
-    another while `abuse()` runs (started while the first is in flight; again until `window_s` passed)
-    -> (abuse's first result, {idle_s, median_ratio, max_ratio, n}): every request counted overlapped
-    the abuse."""
-    idle = statistics.median(ask() for _ in range(5))
-    done, seen = threading.Event(), []
+def with_neighbour(ask, abuse, rounds: int = 7, budget_s: float = 5.0) -> tuple[object, dict]:
+    """Rounds of: the neighbour's `ask()` alone, then its requests one after another while `abuse()`
+    runs once (started while the first is in flight); paired rounds, so the machine's drift hits both
+    sides alike. Rounds stop early once one abuse took over `budget_s`. -> (abuse's first result,
+    {idle_s: median alone, median_ratio, max_ratio: during / idle_s, n: requests during, rounds})."""
+    alone, during, first = [], [], None
+    for r in range(rounds):
+        alone.append(ask())
+        done, seen = threading.Event(), []
 
-    def loop():
-        while not done.is_set():
-            seen.append(ask())
+        def loop(done=done, seen=seen):
+            while not done.is_set():
+                seen.append(ask())
 
-    t = threading.Thread(target=loop)
-    t.start()
-    time.sleep(0.005)  # the neighbour's first request is on its way
-    try:
-        t0, first = time.monotonic(), abuse()
-        while time.monotonic() - t0 < window_s:
-            abuse()
-    finally:
-        done.set()
-        t.join()
-    figures = {"idle_s": idle, "median_ratio": statistics.median(seen) / idle, "max_ratio": max(seen) / idle}
-    return first, {**figures, "n": len(seen)}
+        t = threading.Thread(target=loop)
+        t.start()
+        time.sleep(0.005)  # the neighbour's first request is on its way
+        t0 = time.monotonic()
+        try:
+            result = abuse()
+        finally:
+            done.set()
+            t.join()
+        first = result if r == 0 else first
+        during += seen
+        if time.monotonic() - t0 > budget_s:
+            break
+    idle = statistics.median(alone)
+    return first, {
+        "idle_s": idle,
+        "median_ratio": statistics.median(during) / idle,
+        "max_ratio": max(during) / idle,
+        "n": len(during),
+        "rounds": r + 1,
+    }
 
 
 # ---- the abuses -----------------------------------------------------------------------------------------
