@@ -1,6 +1,6 @@
 """Replay cheap abuses against live `k3 serve` processes and print what each cost the other users.
 
-    python bench/serve_abuse.py [--json out.json]
+    python bench/serve_abuse.py [--json out.json] [--only 1 2 ...]
 
 Builds a random-init k3-nano checkpoint and a random-init k3-tiny-vl checkpoint in a temporary folder,
 starts `python -m k3.serve.cli` on 127.0.0.1 for each (whatever `k3` the Python path gives: run it with
@@ -435,6 +435,9 @@ def main() -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--json", default=None, help="also write the figures here")
+    parser.add_argument(
+        "--only", nargs="+", type=int, default=None, help="replay only these abuses (numbers 1-8)"
+    )
     args = parser.parse_args()
     import k3
 
@@ -464,6 +467,8 @@ def main() -> int:
                 ("8 json", lambda: abuse_json(srv)),
             ]
             for name, step in steps:
+                if args.only and int(name.split()[0]) not in args.only:
+                    continue
                 t0 = time.perf_counter()
                 report[name] = step()
                 print(

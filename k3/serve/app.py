@@ -277,7 +277,8 @@ def create_app(engine: AsyncEngine, cfg: ServeConfig) -> FastAPI:
         except QueueFull as e:
             watcher.cancel()
             retry = {"Retry-After": str(cfg.retry_after_s)}
-            raise APIError(503, str(e), "server_overloaded", headers=retry) from None
+            busy = f"server busy: {e} (--max-pending)"
+            raise APIError(503, busy, "server_overloaded", headers=retry) from None
         except ValueError as e:
             watcher.cancel()
             raise APIError(400, str(e)) from None
@@ -463,7 +464,9 @@ async def _watch_disconnect(request: Request, on_gone) -> None:
 
 async def _read_body(request: Request, cap: int) -> bytes:
     """The body, refused with 413 as soon as it passes `cap` bytes (a chunked body has no length)."""
-    too_big = APIError(413, f"request body over {cap} bytes", headers={"Connection": "close"})
+    too_big = APIError(
+        413, f"request body over {cap} bytes (--max-body-bytes)", headers={"Connection": "close"}
+    )
     length = request.headers.get("content-length")
     if length is not None and length.isdigit() and int(length) > cap:
         raise too_big
@@ -579,7 +582,7 @@ def _fit(prompt_len: int, max_tokens: int, max_model_len: int, min_tokens: int) 
     if room < min_tokens:
         raise APIError(
             400,
-            f"prompt has {prompt_len} tokens; the context is {max_model_len} tokens"
+            f"prompt has {prompt_len} tokens; the context is {max_model_len} tokens (--max-model-len)"
             + (f" and needs room for {min_tokens} output token" if min_tokens else ""),
             param="messages" if min_tokens else "prompt",
         )

@@ -91,6 +91,19 @@ def test_incremental_stop_search_equals_the_whole_text_search():
             checked = len(text)
 
 
+def test_limit_errors_name_their_option(server):
+    cases = [
+        (completion("x" * 30_000), {}, 413, "--max-body-bytes"),
+        (completion(), {"X-Pad": "y" * 20_000}, 431, "--max-header-bytes"),
+        (completion(max_tokens=5000), {}, 422, "--max-output-tokens"),
+        (completion([5] * 1100), {}, 400, "--max-model-len"),
+    ]
+    for body, extra, status, option in cases:
+        headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json", **extra}
+        got, _, err, _ = call(server, "POST", "/v1/completions", body, headers)
+        assert got == status and option in err["error"]["message"], (option, err)
+
+
 # ---- JSON ----------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("depth", [100, 2000, 9000])
 def test_deep_json_answers_400(server, depth):
