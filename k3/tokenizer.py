@@ -130,7 +130,9 @@ class _HFBackend:
         self.tok = tok
 
     def encode(self, text: str) -> list[int]:
-        return self.tok.encode(text, add_special_tokens=False).ids
+        # the batch call releases the GIL (`encode` holds it: seconds for a megabyte, every other
+        # thread of the process stopped) and skips the offsets nobody reads here; the same ids
+        return self.tok.encode_batch_fast([text], add_special_tokens=False)[0].ids
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         return [e.ids for e in self.tok.encode_batch_fast(texts, add_special_tokens=False)]
@@ -255,8 +257,12 @@ class K3Tokenizer:
         """``[encode(t) for t in texts]`` (reserved names not matched), multi-threaded."""
         return self._backend.encode_batch(list(texts))
 
-    def decode(self, ids: Iterable[int], skip_special: bool = True) -> str:
-        """Text of ``ids``; special reserved tokens are dropped if ``skip_special``, markers always kept."""
+    def decode(
+        self, ids: Iterable[int], skip_special: bool = True, reserved_text: dict[int, str] | None = None
+    ) -> str:
+        """Text of ``ids``; special reserved tokens are dropped if ``skip_special``, markers always kept.
+        ``reserved_text`` maps reserved ids to the text they decode to instead of their names (the chat
+        parser marks its markers with characters no decoded text holds, `k3.chat_format.MARKED`)."""
         parts, run = [], []
         for i in map(int, ids):
             if not 0 <= i < self.vocab_size:
@@ -267,7 +273,9 @@ class K3Tokenizer:
             if run:
                 parts.append(self._backend.decode(run))
                 run = []
-            if not (skip_special and self.is_special(i)):
+            if reserved_text and i in reserved_text:
+                parts.append(reserved_text[i])
+            elif not (skip_special and self.is_special(i)):
                 parts.append(self.reserved[i - self.base].name)
         if run:
             parts.append(self._backend.decode(run))

@@ -260,6 +260,12 @@ def _read_index(path: Path) -> dict[str, str]:
         raise ValueError(f"{path} is not a valid safetensors index ({type(e).__name__}: {e})") from None
     if not isinstance(weight_map, dict):
         raise ValueError(f"{path}: weight_map must be an object")
+    for name in weight_map.values():
+        # a shard is a plain file name in the checkpoint directory: no folder, no "..", no absolute path
+        # (a shard that is a symbolic link, as in a hub cache's snapshot folders, is the owner's choice)
+        plain = isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and "\\" not in name
+        if not plain or "\0" in name:
+            raise ValueError(f"{path} names shard {name!r}: not a file name inside the checkpoint directory")
     return weight_map
 
 

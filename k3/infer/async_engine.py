@@ -2,8 +2,13 @@
 
 One background thread owns the engine: it drains an inbox of submissions and aborts between steps and
 runs `step()` while there is work, so the event loop never waits for a model step. Callers consume
-`Event`s from an asyncio queue per request; events are plain copies (no shared mutable state crosses
-the thread boundary). Leaving the consumer loop early (client disconnect, cancellation) or `cancel()`
+`Event`s from a bounded inbox per request; events are plain copies (no shared mutable state crosses
+the thread boundary) and carry only what is new: the tokens of the step and the text they complete.
+An event's text holds back a trailing partial UTF-8 character and, with stop strings, the last
+(longest stop - 1) characters, which a stop string may still cut; the final event carries the rest. A
+reader slower than the engine never makes its inbox grow: past `INBOX_EVENTS` waiting events, each
+new one is merged into the last (tokens, text and logprobs appended), so what waits is at most the
+output itself. Leaving the consumer loop early (client disconnect, cancellation) or `cancel()`
 aborts the request, which frees its pending place at once and its slot and pages before the next step.
 `max_pending` bounds the requests in flight. A request whose own sampling or detokenizing fails ends
 with an error event; the others in its batch go on (`Engine.step`). The engine thread also refreshes
@@ -14,6 +19,7 @@ scheduler's lists while they change.
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import queue
 import threading
@@ -23,6 +29,8 @@ from dataclasses import dataclass, field
 from k3.infer.engine import Engine
 from k3.infer.sequence import SamplingParams
 from k3.ops import native
+
+INBOX_EVENTS = 64  # events waiting for one reader before new ones are merged into the last
 
 
 class QueueFull(RuntimeError):
@@ -34,7 +42,7 @@ class Event:
     new_tokens: list[int]
     finished: bool
     finish_reason: str | None = None
-    text: str = ""  # the whole output text so far (cut at a stop string)
+    text: str = ""  # the output text this event adds (the events' texts join to the final text)
     logprobs: list = field(default_factory=list)  # entries for new_tokens
     prompt_logprobs: list = field(default_factory=list)  # at finish
     cached_tokens: int = 0
@@ -45,7 +53,8 @@ class AsyncEngine:
     def __init__(self, engine: Engine, max_pending: int = 256):
         self.engine, self.max_pending = engine, max_pending
         self._metrics = engine.metrics()
-        self._subs: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._subs: dict[str, tuple[asyncio.AbstractEventLoop, Inbox]] = {}
+        self._sent: dict[str, int] = {}  # characters of each request's text already in an event
         self._subs_lock = threading.Lock()  # never held across a model step
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
@@ -89,7 +98,7 @@ class AsyncEngine:
         `media`: `k3.infer.media.MediaSpan`s (image embeddings), see `Engine.add_request`.
         `request_id` (from `new_request_id`) lets another task `cancel` it."""
         self.engine.validate(prompt, media)
-        loop, q = asyncio.get_running_loop(), asyncio.Queue()
+        loop, q = asyncio.get_running_loop(), Inbox()
         rid = request_id or self.new_request_id()
         with self._subs_lock:
             if rid in self._subs:
@@ -154,6 +163,7 @@ class AsyncEngine:
                 return events
             if kind == "abort":
                 self.engine.abort(rid)
+                self._sent.pop(rid, None)
                 continue
             with self._subs_lock:
                 sub = self._subs.get(rid)
@@ -168,6 +178,7 @@ class AsyncEngine:
     def _forget(self, rid: str) -> None:
         with self._subs_lock:
             self._subs.pop(rid, None)
+        self._sent.pop(rid, None)
 
     def _step(self) -> list:
         try:
@@ -176,6 +187,7 @@ class AsyncEngine:
             err = traceback.format_exc(limit=3)
             with self._subs_lock:
                 subs, self._subs = self._subs, {}
+            self._sent.clear()
             for rid in subs:
                 self.engine.abort(rid)
             return [(lp, q, Event([], True, "error", error=err)) for lp, q in subs.values()]
@@ -186,7 +198,8 @@ class AsyncEngine:
                 sub = self._subs.get(s.request_id)
             if sub is None:
                 continue
-            event = Event(list(out.new_tokens), out.finished, s.finish_reason, s.text,
+            event = Event(list(out.new_tokens), out.finished, s.finish_reason,
+                          self._new_text(s, out.finished),
                           list(s.logprobs[len(s.logprobs) - k :]) if s.params.logprobs is not None else [],
                           list(s.prompt_logprobs) if out.finished else [], s.cached_tokens,
                           s.error)  # fmt: skip
@@ -195,7 +208,52 @@ class AsyncEngine:
                 self._forget(s.request_id)
         return events
 
+    def _new_text(self, s, finished: bool) -> str:
+        """The text of `s` not yet sent that no later token can change: all of it at the end; before,
+        up to its last whole character, less what a stop string may still cut."""
+        sent = self._sent.get(s.request_id, 0)
+        if finished:
+            end = len(s.text)
+        else:
+            hold = max((len(x) - 1 for x in s.params.stop), default=0)
+            end = max(sent, min(len(s.text), len(s.stable_text)) - hold)
+        self._sent[s.request_id] = end
+        return s.text[sent:end]
+
 
 def _deliver(items: list) -> None:
     for q, event in items:
-        q.put_nowait(event)
+        q.put(event)
+
+
+def merge(a: Event, b: Event) -> Event:
+    """One event standing for `a` then `b`."""
+    return Event(a.new_tokens + b.new_tokens, b.finished, b.finish_reason, a.text + b.text,
+                 a.logprobs + b.logprobs, b.prompt_logprobs, b.cached_tokens, b.error)  # fmt: skip
+
+
+class Inbox:
+    """One request's events on its event loop: at most `limit` wait; a newer one is merged into the
+    last (`merge`), so a slow reader holds at most its output, once. Not thread-safe: the engine
+    thread hands events over with `call_soon_threadsafe`."""
+
+    def __init__(self, limit: int = INBOX_EVENTS):
+        self.limit, self._items, self._ready = limit, collections.deque(), asyncio.Event()
+
+    def put(self, event: Event) -> None:
+        if len(self._items) >= self.limit and not self._items[-1].finished:
+            self._items[-1] = merge(self._items[-1], event)
+        else:
+            self._items.append(event)
+        self._ready.set()
+
+    put_nowait = put
+
+    def qsize(self) -> int:
+        return len(self._items)
+
+    async def get(self) -> Event:
+        while not self._items:
+            self._ready.clear()
+            await self._ready.wait()
+        return self._items.popleft()

@@ -24,6 +24,27 @@ from k3.infer.scheduler import Scheduler
 from k3.infer.sequence import SamplingParams, Sequence, Status
 
 
+def stop_at(text: str, stops: tuple[str, ...], checked: int = 0) -> int:
+    """Where `text` is cut by the first of `stops` (in their order) that it holds, or -1. `text[:checked]`
+    was searched before and holds none, so only matches ending after it are looked for: each search
+    covers the new text plus the stop string's length, never the whole output."""
+    for s in stops:
+        at = text.find(s, max(0, checked - len(s) + 1))
+        if at >= 0:
+            return at
+    return -1
+
+
+def stop_at_reference(text: str, stops: tuple[str, ...], checked: int = 0) -> int:
+    """`stop_at` searching the whole text every time, `checked` unused (the plain form the tests compare
+    it with)."""
+    for s in stops:
+        at = text.find(s)
+        if at >= 0:
+            return at
+    return -1
+
+
 def make_head_column_major(model: torch.nn.Module) -> None:
     """Re-lay a large CPU `lm_head.weight` [V, D] out column-major (same values, shape and Parameter).
 
@@ -194,8 +215,9 @@ class Engine:
         p = seq.params
         if self.tokenizer is not None:
             seq.text = self._detokenize(seq)
-            for s in p.stop:
-                at = seq.text.find(s)
+            if p.stop:
+                at = stop_at(seq.text, p.stop, seq.stop_checked)
+                seq.stop_checked = len(seq.stable_text)
                 if at >= 0:
                     seq.text = seq.text[:at]
                     return self._finish(seq, "stop")
@@ -208,7 +230,11 @@ class Engine:
         """decode(seq.output), decoding only the tokens after the last whole-character boundary: byte-level
         BPE text is the concatenation of its tokens' bytes, so decode(a + b) == decode(a) + decode(b)
         whenever a's bytes end on a whole UTF-8 character (its decoding does not end in U+FFFD)."""
-        tail = self.tokenizer.decode(seq.output[seq.stable_ids :])
+        tail = seq.output[seq.stable_ids :]
+        if seq.params.reserved_text:
+            tail = self.tokenizer.decode(tail, reserved_text=dict(seq.params.reserved_text))
+        else:
+            tail = self.tokenizer.decode(tail)
         text = seq.stable_text + tail
         if not tail.endswith("\ufffd"):
             seq.stable_ids, seq.stable_text = len(seq.output), text

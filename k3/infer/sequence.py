@@ -26,6 +26,9 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # top-N logprobs per generated token (0 = only the chosen token's)
     prompt_logprobs: int | None = None  # the same for every prompt token after the first
+    # reserved ids detokenized as these strings instead of their names (K3Tokenizer.decode's
+    # reserved_text): the chat API marks its markers so that text spelling one stays text
+    reserved_text: tuple[tuple[int, str], ...] = ()
 
     def __post_init__(self):
         checks = {
@@ -75,6 +78,7 @@ class Sequence:
     # character), so each step decodes only the tokens after it
     stable_ids: int = 0
     stable_text: str = ""
+    stop_checked: int = 0  # text[:stop_checked] is final and holds no stop string (searched once)
     cached_tokens: int = 0  # prompt tokens served from the prefix cache at admission
     junction: int = 0  # where the cached MLA chain outruns the snapshots: a chunk ends there
     generator: object = None  # torch.Generator for seeded sampling (set by the engine)

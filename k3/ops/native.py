@@ -4,7 +4,10 @@ Sources live in `k3/ops/csrc/<name>.c` and the headers beside it (plain C, no to
 takes about a second). `library(name)` compiles one with the system C compiler (`$CC`, else `cc` /
 `gcc`) into `$K3_CACHE_DIR/native/<key>/lib<name>.so` (default `~/.cache/k3`), where the key hashes the
 source, the headers, compiler, flags and this CPU's feature flags (`-march=native` code must never run
-on another CPU), and loads it with ctypes. Without a compiler, on a failed build or with `K3_NATIVE=0`
+on another CPU), and loads it with ctypes. The cache loads only what it built itself: the folders are
+created private (0700), a library is loaded only from folders this user owns that no one else may
+write, and only when its SHA-256 equals the one written beside it at build time (`lib<name>.so.sha256`);
+a library that fails the hash is built again. Without a compiler, on a failed build or with `K3_NATIVE=0`
 it returns None after one warning, and every caller takes its torch path instead: each kernel has a
 torch reference with the same contract, and the tests compare them (docs/decisions.md, "native
 kernels").
@@ -141,10 +144,13 @@ def _build_and_load(name: str) -> ctypes.CDLL | None:
         return _unavailable(name, "no C compiler found (set CC, or install gcc)")
     flags = (*FLAGS, *EXTRA_FLAGS.get(name, ()))
     path = _cache_dir() / _key(source, cc, flags) / f"lib{name}.so"
-    if not path.exists():
+    if not _intact(path):
         error = _compile(cc, source, path, flags)
         if error:
             return _unavailable(name, error)
+    unsafe = _unsafe_folder(path)
+    if unsafe:
+        return _unavailable(name, unsafe)
     try:
         return ctypes.CDLL(str(path))
     except OSError as e:
@@ -155,7 +161,11 @@ def _compile(cc: str, source: Path, path: Path, flags: tuple[str, ...]) -> str |
     """Compile to a temporary file beside `path`, then rename it into place (concurrent builders, e.g.
     the ranks of one job, each write their own file; the last rename wins, all with the same bytes)."""
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
+        path.parent.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        path.parent.mkdir(exist_ok=True, mode=0o700)
+        unsafe = _unsafe_folder(path)
+        if unsafe:
+            return unsafe
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
         os.close(fd)
     except OSError as e:  # e.g. a read-only home: no cache, no kernel
@@ -165,13 +175,50 @@ def _compile(cc: str, source: Path, path: Path, flags: tuple[str, ...]) -> str |
         run = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
         if run.returncode != 0:
             return f"`{cc} {' '.join(flags)} {source.name}` failed: {run.stderr.strip()[-500:]}"
+        digest = _sha256(Path(tmp))
         os.replace(tmp, path)
+        _write_private(Path(f"{path}.sha256"), digest)
         return None
     except (OSError, subprocess.TimeoutExpired) as e:
         return f"running {cc} failed: {e}"
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _write_private(path: Path, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def _intact(path: Path) -> bool:
+    """Whether `path` is the library this cache built: its hash is the one recorded at build time."""
+    try:
+        return path.is_file() and Path(f"{path}.sha256").read_text().strip() == _sha256(path)
+    except OSError:
+        return False
+
+
+def _unsafe_folder(path: Path) -> str | None:
+    """Why a library in `path`'s folder must not be loaded (a folder or file another user owns or may
+    write), else None."""
+    uid = os.getuid() if hasattr(os, "getuid") else None
+    for p in (path.parent.parent, path.parent, path):
+        try:
+            st = p.stat()
+        except OSError:
+            continue  # not built yet (the caller builds it, in folders it made private)
+        if uid is not None and st.st_uid != uid:
+            return f"refusing the kernel cache {p}: owned by another user"
+        if st.st_mode & 0o022:
+            return f"refusing the kernel cache {p}: writable by other users (chmod go-w)"
+    return None
 
 
 def _unavailable(name: str, why: str) -> None:

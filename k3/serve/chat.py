@@ -22,16 +22,18 @@ def add_arguments(parser) -> None:
 
 
 async def _turn(aengine, messages, args) -> dict:
-    from k3.chat_format import ChatOptions, encode_chat, parse_generation
+    from k3.chat_format import ChatOptions, encode_chat, marker_ids, parse_marked
     from k3.infer.sequence import SamplingParams
 
     opts = ChatOptions(thinking=not args.no_thinking)
     prompt = encode_chat(aengine.tokenizer, messages, options=opts)
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=0.95)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=0.95,
+                            reserved_text=tuple(marker_ids(aengine.tokenizer).items()))  # fmt: skip
     shown = {"reasoning_content": "", "content": ""}
-    parsed = shown
+    parsed, text = shown, ""
     async for ev in aengine.generate(prompt, params):
-        parsed = parse_generation(ev.text, opts.thinking)
+        text += ev.text  # each event brings its new text; markers only from the marker ids
+        parsed = parse_marked(text, opts.thinking)
         for key, style in (("reasoning_content", "\033[2m"), ("content", "")):
             new = parsed[key][len(shown[key]) :] if parsed[key].startswith(shown[key]) else ""
             if new:

@@ -38,7 +38,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_engine_arguments(parser)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY`")
+    parser.add_argument(
+        "--api-key",
+        action="append",
+        default=None,
+        help="require `Authorization: Bearer KEY`; give it several times for several keys (each key is "
+        "its own prefix-cache tenant)",
+    )
+    parser.add_argument(
+        "--api-key-file", default=None, help="a file of API keys, one per line (blank and # lines skipped)"
+    )
     parser.add_argument("--served-model-name", default="kimi-k3")
     parser.add_argument("--max-pending", type=int, default=256, help="requests in flight before 503")
     parser.add_argument(
@@ -50,6 +59,47 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-body-bytes", type=int, default=4 << 20, help="request body limit (413)")
     parser.add_argument(
         "--max-header-bytes", type=int, default=16 << 10, help="request line + headers limit (431)"
+    )
+    limits = parser.add_argument_group('security limits (docs/serving.md, "Security")')
+    limits.add_argument(
+        "--max-connections", type=int, default=1024, help="open connections; past it a new one gets 503"
+    )
+    limits.add_argument(
+        "--header-timeout",
+        type=float,
+        default=10.0,
+        help="seconds for a request line and headers to arrive (408 and closed past it)",
+    )
+    limits.add_argument(
+        "--body-timeout",
+        type=float,
+        default=30.0,
+        help="seconds for a request body to arrive after its headers (408 and closed past it)",
+    )
+    limits.add_argument("--max-stop-strings", type=int, default=16, help="stop strings per request (422)")
+    limits.add_argument("--max-stop-chars", type=int, default=256, help="characters per stop string (422)")
+    limits.add_argument(
+        "--max-json-depth", type=int, default=64, help="nesting of arrays / objects in a body (400)"
+    )
+    limits.add_argument("--max-images", type=int, default=16, help="image parts per request (400)")
+    limits.add_argument(
+        "--max-image-pixels",
+        type=int,
+        default=100_000_000,
+        help="pixels of one request's images together, from their headers, before decoding (400)",
+    )
+    limits.add_argument(
+        "--allowed-hosts",
+        nargs="+",
+        default=None,
+        help="Host names served besides the loopback ones (127.0.0.1, localhost, ::1) when bound to "
+        "loopback; bound elsewhere, the only ones served (default: any); '*' turns the check off",
+    )
+    limits.add_argument(
+        "--cors-origin",
+        action="append",
+        default=None,
+        help="an origin whose web pages may call the API (repeatable; default: none, CORS closed)",
     )
     parser.add_argument("--shutdown-after", type=float, default=None, help=argparse.SUPPRESS)  # tests
 
@@ -115,19 +165,56 @@ def load_engine(ckpt_dir: str, cfg, device: str = "cpu", dequantize: bool = Fals
     return Engine(model, cfg, tokenizer=tokenizer)
 
 
+def api_keys(args) -> tuple[str, ...]:
+    """The keys of --api-key and --api-key-file (ValueError for a file without any)."""
+    keys = list(args.api_key or [])
+    if args.api_key_file:
+        from pathlib import Path
+
+        lines = Path(args.api_key_file).read_text(encoding="utf-8").splitlines()
+        found = [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
+        if not found:
+            raise ValueError(f"--api-key-file {args.api_key_file!r} holds no key")
+        keys += found
+    if any(not k for k in keys):
+        raise ValueError("--api-key must not be empty")
+    return tuple(dict.fromkeys(keys))
+
+
+def serve_config(args):
+    from k3.serve.app import ServeConfig
+    from k3.serve.guard import allowed_hosts
+
+    positive = ("max_connections", "header_timeout", "body_timeout", "max_stop_strings", "max_stop_chars",
+                "max_json_depth", "max_images", "max_image_pixels")  # fmt: skip
+    for name in positive:
+        if getattr(args, name) <= 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    return ServeConfig(args.served_model_name, api_keys(args), args.max_model_len, args.max_body_bytes,
+                       max_output_tokens=args.max_output_tokens, max_header_bytes=args.max_header_bytes,
+                       max_stop_strings=args.max_stop_strings, max_stop_chars=args.max_stop_chars,
+                       max_json_depth=args.max_json_depth, max_images=args.max_images,
+                       max_image_pixels=args.max_image_pixels,
+                       allowed_hosts=allowed_hosts(args.host, args.allowed_hosts),
+                       cors_origins=tuple(args.cors_origin or ()))  # fmt: skip
+
+
 def run(args) -> int:
     import uvicorn
 
     from k3.infer.async_engine import AsyncEngine
-    from k3.serve.app import ServeConfig, create_app
+    from k3.serve.app import create_app
+    from k3.serve.guard import ConnectionLimits, guarded_protocol, raise_open_file_limit
 
+    cfg = serve_config(args)  # option errors before the model loads
+    limits = ConnectionLimits(args.max_connections, args.header_timeout, args.body_timeout)
+    raise_open_file_limit(args.max_connections + 256)  # the cap comes before the descriptors run out
     aengine = AsyncEngine(build_engine(args), max_pending=args.max_pending)
-    cfg = ServeConfig(args.served_model_name, args.api_key, args.max_model_len, args.max_body_bytes,
-                      max_output_tokens=args.max_output_tokens,
-                      max_header_bytes=args.max_header_bytes)  # fmt: skip
-    # h11 caps the request line + headers (uvicorn's httptools backend has no such limit)
+    # h11 caps the request line + headers (uvicorn's httptools backend has no such limit); the guarded
+    # protocol adds the connection cap and the header / body deadlines (k3.serve.guard)
     config = uvicorn.Config(create_app(aengine, cfg), host=args.host, port=args.port, log_level="warning",
-                            http="h11", h11_max_incomplete_event_size=args.max_header_bytes)  # fmt: skip
+                            http=guarded_protocol(limits),
+                            h11_max_incomplete_event_size=args.max_header_bytes)  # fmt: skip
     server = uvicorn.Server(config)
     if args.shutdown_after:
         threading.Timer(args.shutdown_after, lambda: setattr(server, "should_exit", True)).start()

@@ -16,12 +16,13 @@ from k3.serve import protocol as P
 
 REF = "#/components/schemas/{model}"
 ERRORS = {
-    400: "a request the server cannot serve: bad JSON or Unicode, a prompt that does not fit the context, "
-    "an image that cannot be used",
+    400: "a request the server cannot serve: bad JSON or Unicode, JSON nested over --max-json-depth, a "
+    "prompt that does not fit the context, an image that cannot be used, more images or pixels than "
+    "--max-images / --max-image-pixels, a Host outside --allowed-hosts",
     401: "missing or wrong API key",
     404: "unknown model",
     413: "request body over --max-body-bytes",
-    415: "a body that is not application/json",
+    415: "a POST whose Content-Type is not application/json (also none)",
     422: "a field of the wrong type or out of its range",
     431: "request line + headers over --max-header-bytes",
     500: "a failure inside this request (the server keeps serving the others)",
@@ -54,10 +55,18 @@ def _errors(*codes: int) -> dict:
     }  # fmt: skip
 
 
-def _tighten(schemas: dict, model_name: str, vocab_size: int, max_output: int, vision: bool) -> None:
+def _tighten(schemas: dict, model_name: str, vocab_size: int, max_output: int, vision: bool,
+             stop_limits: tuple[int, int] | None = None) -> None:  # fmt: skip
     """Write the server's own limits into the request schemas (in place)."""
     for name in ("ChatCompletionRequest", "CompletionRequest"):
         props = schemas[name]["properties"]
+        if stop_limits is not None:  # (--max-stop-strings, --max-stop-chars)
+            for alt in props["stop"]["anyOf"]:
+                if alt.get("type") == "string":
+                    alt["maxLength"] = stop_limits[1]
+                elif alt.get("type") == "array":
+                    alt["maxItems"] = stop_limits[0]
+                    alt["items"] = {**alt["items"], "maxLength": stop_limits[1]}
         props["model"] = {"type": "string", "enum": [model_name], "title": "Model"}
         for key in ("max_tokens", "max_completion_tokens"):
             if key in props:
@@ -79,16 +88,23 @@ def _tighten(schemas: dict, model_name: str, vocab_size: int, max_output: int, v
 
 
 def build_openapi(
-    model_name: str, vocab_size: int, max_output: int, vision: bool, api_key: bool, title: str = "k3"
+    model_name: str,
+    vocab_size: int,
+    max_output: int,
+    vision: bool,
+    api_key: bool,
+    title: str = "k3",
+    stop_limits: tuple[int, int] | None = None,
 ) -> dict:
-    """The OpenAPI document of a server with these settings (`max_output`: the max_tokens limit)."""
+    """The OpenAPI document of a server with these settings (`max_output`: the max_tokens limit;
+    `stop_limits`: (stop strings, characters per stop string) at most)."""
     schemas = _request_schemas()
     responses = (P.ChatCompletion, P.ChatCompletionChunk, P.Completion, P.ModelList, P.Health)
     for m in (*responses, P.ErrorResponse):
         s = m.model_json_schema(ref_template=REF, mode="serialization")
         schemas.update(s.pop("$defs", {}))
         schemas[m.__name__] = s
-    _tighten(schemas, model_name, vocab_size, max_output, vision)
+    _tighten(schemas, model_name, vocab_size, max_output, vision, stop_limits)
     auth = (401,) if api_key else ()
 
     def sse(chunk: str) -> dict:

@@ -73,6 +73,11 @@ class _Request(_Model):
     stream_options: StreamOptions | None = None
     n: Int(ge=1, le=1) = Field(1, description="one choice per request")
     ignore_eos: StrictBool = False
+    cache_salt: Annotated[StrictStr, Field(max_length=256)] | None = Field(
+        None,
+        description="prefix-cache isolation: requests reuse each other's cached prompt state only "
+        "with the same API key and the same cache_salt",
+    )
 
     def stop_list(self) -> tuple[str, ...]:
         if self.stop is None:

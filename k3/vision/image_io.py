@@ -110,8 +110,9 @@ def _normalise_mode(img: Image.Image) -> Image.Image:
     return img.convert("RGBA" if has_alpha else "RGB")
 
 
-def decode_data_url(url: str, limits: ImageLimits = ImageLimits()) -> Image.Image:
-    """`data:image/png;base64,...` -> PIL image; http(s) and other schemes raise ImageError('bad_url')."""
+def data_url_bytes(url: str, limits: ImageLimits = ImageLimits()) -> bytes:
+    """`data:image/png;base64,...` -> the encoded image bytes; http(s) and other schemes raise
+    ImageError('bad_url')."""
     if not isinstance(url, str):
         raise ImageError("bad_url", f"image_url must be a string, got {type(url).__name__}")
     if not url.startswith("data:"):
@@ -134,7 +135,32 @@ def decode_data_url(url: str, limits: ImageLimits = ImageLimits()) -> Image.Imag
         data = base64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError) as e:
         raise ImageError("bad_url", f"data: URL has invalid base64: {e}") from None
-    return decode_image(data, limits)
+    if len(data) > limits.max_bytes:
+        raise ImageError("too_large", f"image is {len(data)} bytes; the limit is {limits.max_bytes}")
+    return data
+
+
+def image_size(data: bytes, limits: ImageLimits = ImageLimits()) -> tuple[int, int]:
+    """(width, height) of encoded image bytes from the header alone (no pixel is decoded), within
+    `limits`: the size `decode_image` will return."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            with Image.open(io.BytesIO(bytes(data)), formats=list(limits.formats)) as img:
+                size = img.size
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
+        raise ImageError("too_many_pixels", f"image rejected as a decompression bomb: {e}") from None
+    except OSError as e:
+        raise ImageError("not_an_image", f"cannot decode image: {e}") from None
+    except (SyntaxError, ValueError, TypeError, IndexError, EOFError) as e:
+        raise ImageError("not_an_image", f"cannot decode image: {e}") from None
+    _check_size(size, limits)
+    return size
+
+
+def decode_data_url(url: str, limits: ImageLimits = ImageLimits()) -> Image.Image:
+    """`data:image/png;base64,...` -> PIL image; http(s) and other schemes raise ImageError('bad_url')."""
+    return decode_image(data_url_bytes(url, limits), limits)
 
 
 def encode_data_url(img: Image.Image, fmt: str = "PNG") -> str:

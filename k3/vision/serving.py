@@ -1,7 +1,8 @@
 """Images in the engine and the server: a VL checkpoint served as its language model plus a vision
 front end that turns a request's image_url parts into prompt ids and per-image embedding spans.
 
-    urls --decode_data_url (limits; ImageError)--> PIL --preprocess_image--> ImageInput, image_hash
+    urls --data_url_bytes, image_size (header only; limits; ImageError)--> ImageHeader (size, tokens)
+    ImageHeader --decode_image (only for a prompt that fits)--> PIL --preprocess_image--> ImageInput, hash
     chat segments + images --encode_segments_with_images--> ids (one <|media_pad|> run per image)
     vision_tower + mm_projector (packed) --> [M, D] --split per image--> MediaSpan(start of run, rows, hash)
 
@@ -21,9 +22,22 @@ import torch
 
 from k3.infer.media import MediaSpan
 from k3.model.multimodal import K3VLForCausalLM
-from k3.vision.image_io import ImageLimits, decode_data_url, image_hash
+from k3.vision.image_io import ImageError, ImageLimits, data_url_bytes, decode_image, image_hash, image_size
 from k3.vision.media import check_media_counts, encode_segments_with_images
-from k3.vision.preprocess import ImageInput, batch_images, preprocess_image
+from k3.vision.preprocess import ImageInput, batch_images, num_image_tokens, preprocess_image
+
+
+@dataclass(frozen=True)
+class ImageHeader:
+    """An upload read as far as its header: the encoded bytes, its size and its token count."""
+
+    data: bytes
+    size: tuple[int, int]  # (W, H)
+    num_tokens: int
+
+    @property
+    def pixels(self) -> int:
+        return self.size[0] * self.size[1]
 
 
 @dataclass(frozen=True)
@@ -41,19 +55,35 @@ class VisionFrontend:
         self.limits = limits or ImageLimits()
         self._lock = threading.Lock()
 
-    def load(self, urls: list) -> list[PreparedImage]:
-        """data: URLs -> decoded, pre-processed, hashed images (ImageError for a bad one)."""
+    def headers(self, urls: list) -> list[ImageHeader]:
+        """data: URLs -> their bytes, sizes and token counts, no pixel decoded (ImageError for a bad
+        one, or one over the limits)."""
         out = []
         for url in urls:
-            img = decode_data_url(url, self.limits)
-            out.append(PreparedImage(preprocess_image(img, self.media), image_hash(img)))
+            data = data_url_bytes(url, self.limits)
+            w, h = image_size(data, self.limits)
+            out.append(ImageHeader(data, (w, h), num_image_tokens(w, h, self.media)))
         return out
 
-    def encode(self, tokenizer, segments, images: list[PreparedImage]) -> list[int]:
-        """Rendered chat segments (one placeholder per image) -> prompt ids with the media tokens."""
-        return encode_segments_with_images(
-            tokenizer, segments, [(p.image.orig_size, p.image.num_tokens) for p in images]
-        )
+    def load(self, images: list) -> list[PreparedImage]:
+        """ImageHeaders (or data: URLs) -> decoded, pre-processed, hashed images, one at a time (only
+        one decoded image is alive at once); ImageError for a bad one."""
+        out = []
+        for item in images:
+            head = item if isinstance(item, ImageHeader) else self.headers([item])[0]
+            img = decode_image(head.data, self.limits)
+            if img.size != head.size:
+                raise ImageError("not_an_image", f"image decodes to {img.size}, its header says {head.size}")
+            out.append(PreparedImage(preprocess_image(img, self.media), image_hash(img)))
+            del img
+        return out
+
+    def encode(self, tokenizer, segments, images: list) -> list[int]:
+        """Rendered chat segments (one placeholder per image) -> prompt ids with the media tokens;
+        `images`: PreparedImages or ImageHeaders (the same ids: sizes and token counts agree)."""
+        sizes = [(p.size, p.num_tokens) if isinstance(p, ImageHeader) else (p.image.orig_size,
+                 p.image.num_tokens) for p in images]  # fmt: skip
+        return encode_segments_with_images(tokenizer, segments, sizes)
 
     @torch.no_grad()
     def spans(self, ids: list[int], images: list[PreparedImage]) -> tuple[MediaSpan, ...]:

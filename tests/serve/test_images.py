@@ -200,3 +200,31 @@ def test_text_only_server_refuses_images(server):
     with pytest.raises(urllib.error.HTTPError) as e:
         urllib.request.urlopen(req, timeout=30)
     assert e.value.code == 400 and "image_url" in json.loads(e.value.read())["error"]["message"]
+
+
+@pytest.fixture(scope="module")
+def bomb_url():
+    """A 1-bit PNG of 6,320 x 6,320 (just under the per-image pixel limit): a few KB encoded, 120 MB
+    once decoded to RGB."""
+    buf = io.BytesIO()
+    Image.new("1", (6320, 6320)).save(buf, format="PNG")
+    return _b64(buf.getvalue())
+
+
+@pytest.mark.parametrize(
+    ("count", "named"),
+    [(20, "--max-images"), (3, "--max-image-pixels"), (2, "the context is 512 tokens")],
+    ids=["count", "pixels", "context"],
+)
+def test_image_floods_are_refused_before_any_decoding(vl_server, bomb_url, count, named):
+    """Every check that the headers can answer comes before the first pixel is decoded: 20 images
+    (--max-images 16), 3 of 40 MP (--max-image-pixels 100 M), 2 whose tokens overflow the context. Each
+    decode of such an image took seconds and 120 MB."""
+    parts = [{"type": "image_url", "image_url": {"url": bomb_url}}] * count + [{"type": "text", "text": "hi"}]
+    t0 = time.perf_counter()
+    status, body = post(vl_server, [{"role": "user", "content": parts}])
+    took = time.perf_counter() - t0
+    assert status == 400 and named in body["error"]["message"], body
+    assert took < 1.0, took
+    status, body = post(vl_server, image_message(png_url((30, 30, 220))))
+    assert status == 200, body

@@ -1,27 +1,19 @@
-"""Streaming deltas from growing output text: partial UTF-8 and possible stop strings are held back."""
+"""Streaming deltas: each engine event brings only its new (marked) text; the chat deltas concatenate to
+the parse of the whole text, with no partial character or partial channel shown."""
 
 import asyncio
 import json
 
+from k3.chat_format import MARKED
 from k3.infer.async_engine import Event
-from k3.serve.app import _chat_stream, _stable
+from k3.serve.app import _chat_stream
 
-
-def test_stable_holds_back_partial_characters_and_stop_prefixes():
-    assert _stable("ab\ufffd\ufffd", ()) == "ab"
-    assert _stable("hello wor", ("world",)) == "hello"
-    assert _stable("plain", ()) == "plain"
+C, S, O = MARKED["<|close|>"], MARKED["<|sep|>"], MARKED["<|open|>"]
 
 
 def test_chat_stream_deltas_concatenate_to_the_final_text():
-    texts = [
-        "I",
-        "I \ufffd",
-        "I \u20ac",
-        "I \u20ac<|close|>th",
-        "I \u20ac<|close|>think<|sep|><|open|>response<|sep|>ok",
-    ]
-    events = [Event([1], False, text=t) for t in texts[:-1]] + [Event([1], True, "stop", text=texts[-1])]
+    pieces = ["I", " ", "\u20ac", f"{C}th", f"ink{S}{O}response{S}ok"]
+    events = [Event([1], False, text=t) for t in pieces[:-1]] + [Event([1], True, "stop", text=pieces[-1])]
 
     async def agen():
         for e in events:
@@ -35,5 +27,4 @@ def test_chat_stream_deltas_concatenate_to_the_final_text():
     deltas = [c["choices"][0]["delta"] for c in chunks]
     assert "".join(d.get("reasoning_content", "") for d in deltas) == "I \u20ac"
     assert "".join(d.get("content", "") for d in deltas) == "ok"
-    assert all("\ufffd" not in d.get("reasoning_content", "") for d in deltas)
     assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
