@@ -11,6 +11,8 @@ import urllib.request
 import pytest
 
 API_KEY = "sk-test"
+# the session-wide server outlives every test that uses it however slow the machine (it still stops by itself)
+SESSION_LIFETIME_S = 3600
 
 
 def _free_port() -> int:
@@ -72,7 +74,8 @@ class Server:
 @pytest.fixture(scope="session")
 def server(checkpoint):
     s = Server(checkpoint, "--api-key", API_KEY, "--max-model-len", "1024", "--page-size", "16",
-               "--max-num-seqs", "4", "--max-pending", "2", "--max-body-bytes", "20000")  # fmt: skip
+               "--max-num-seqs", "4", "--max-pending", "2", "--max-body-bytes", "20000",
+               lifetime_s=SESSION_LIFETIME_S)  # fmt: skip
     yield s.url
     s.stop()
 
