@@ -36,8 +36,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=192, help="output tokens per request (default 192)")
     p.add_argument("--max-requests", type=int, default=4, help="model requests per user turn (default 4)")
     p.add_argument("--parallel", type=int, default=4, help="conversations in flight (default 4)")
-    p.add_argument("--no-preserve-thinking", action="store_true",
-                   help="send chat_template_kwargs.preserve_thinking=false (earlier thinking rendered empty)")  # fmt: skip
+    p.add_argument(
+        "--no-preserve-thinking",
+        action="store_true",
+        help="send chat_template_kwargs.preserve_thinking=false (earlier thinking rendered empty)",
+    )
     p.add_argument("--json", metavar="FILE", help="write the scores and every transcript here")
     p.add_argument("--lifetime", type=float, default=1800, help="the server stops after this many s")
     p.add_argument("--url", help="an already running server's base URL instead of starting one")
@@ -54,8 +57,20 @@ class LocalServer:
 
     def __init__(self, checkpoint: str, lifetime: float = 1800, max_model_len: int = 2048):
         port = _free_port()
-        cmd = [sys.executable, "-m", "k3.serve.cli", str(checkpoint), "--host", "127.0.0.1", "--port", str(port),
-               "--max-model-len", str(max_model_len), "--shutdown-after", str(lifetime)]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "k3.serve.cli",
+            str(checkpoint),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--max-model-len",
+            str(max_model_len),
+            "--shutdown-after",
+            str(lifetime),
+        ]
         self.proc = subprocess.Popen(
             cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=os.environ.copy()
         )
@@ -113,8 +128,14 @@ def run_conversation(client, model: str, ref: dict, max_tokens: int, max_request
         messages.append({"role": "user", "content": turn["user"]})
         answer, k = None, 0
         for k in range(max_requests):
-            resp = client.chat.completions.create(model=model, messages=messages, tools=st.TOOLS, temperature=0,
-                                                  max_tokens=max_tokens, extra_body=extra)  # fmt: skip
+            resp = client.chat.completions.create(
+                model=model,
+                messages=messages,
+                tools=st.TOOLS,
+                temperature=0,
+                max_tokens=max_tokens,
+                extra_body=extra,
+            )
             msg = resp.choices[0].message
             calls = msg.tool_calls or []
             if k < len(turn["calls"]):  # the reference calls tools here
@@ -132,20 +153,37 @@ def run_conversation(client, model: str, ref: dict, max_tokens: int, max_request
                 answer = msg.content or ""
                 break
             out["tool_calls"] = [
-                {"id": c.id, "type": "function", "function": {"name": c.function.name, "arguments": c.function.arguments}}
+                {
+                    "id": c.id,
+                    "type": "function",
+                    "function": {"name": c.function.name, "arguments": c.function.arguments},
+                }
                 for c in calls
-            ]  # fmt: skip
+            ]
             messages.append(out)
             for c in calls:
-                messages.append({"role": "tool", "tool_call_id": c.id, "content": st.call_tool(c.function.name, c.function.arguments or "")})  # fmt: skip
+                messages.append(
+                    {
+                        "role": "tool",
+                        "tool_call_id": c.id,
+                        "content": st.call_tool(c.function.name, c.function.arguments or ""),
+                    }
+                )
         rec["requests"].append(k + 1)
         rec["answered"].append(answer is not None and all(f in answer for f in turn["facts"]))
     rec["correct"] = all(rec["answered"])
     return rec
 
 
-def evaluate_agent(url: str, conversations: int = 60, seed: int = 0, max_tokens: int = 192, max_requests: int = 4,
-                   parallel: int = 4, preserve_thinking: bool = True) -> dict:  # fmt: skip
+def evaluate_agent(
+    url: str,
+    conversations: int = 60,
+    seed: int = 0,
+    max_tokens: int = 192,
+    max_requests: int = 4,
+    parallel: int = 4,
+    preserve_thinking: bool = True,
+) -> dict:
     """Scores of the held-out conversations against the server at `url` (see the module doc)."""
     from openai import OpenAI
 
@@ -185,9 +223,14 @@ def _turns(ref: dict) -> list[dict]:
 
 
 def run(args: argparse.Namespace) -> int:
-    kw = dict(conversations=args.conversations, seed=args.seed, max_tokens=args.max_tokens,
-              max_requests=args.max_requests, parallel=args.parallel,
-              preserve_thinking=not args.no_preserve_thinking)  # fmt: skip
+    kw = dict(
+        conversations=args.conversations,
+        seed=args.seed,
+        max_tokens=args.max_tokens,
+        max_requests=args.max_requests,
+        parallel=args.parallel,
+        preserve_thinking=not args.no_preserve_thinking,
+    )
     if args.url:
         res = evaluate_agent(args.url.rstrip("/"), **kw)
     else:
@@ -199,11 +242,13 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=1) + "\n")
     print(
-        f"k3 eval-agent {args.checkpoint}: {res['conversations']} held-out conversations, {res['call_turns']} "
+        f"k3 eval-agent {args.checkpoint}: {res['conversations']} held-out conversations, "
+        f"{res['call_turns']} "
         f"tool-call turns\n  valid tool-call JSON {100 * res['valid_json']:.1f} %\n"
         f"  right function + arguments {100 * res['right_call']:.1f} %\n"
         f"  conversations answered correctly {100 * res['correct']:.1f} %\n"
-        f"  requests per user turn {res['requests_per_turn']:.2f} (reference {res['reference_requests_per_turn']:.2f})"
+        f"  requests per user turn {res['requests_per_turn']:.2f} "
+        f"(reference {res['reference_requests_per_turn']:.2f})"
         f"\n  {res['seconds']:.0f} s"
     )
     return 0

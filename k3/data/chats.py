@@ -87,7 +87,7 @@ def check_conversation(conv) -> None:
 
 
 def _encode(tokenizer, segs: list, cuts: list[int]) -> tuple[np.ndarray, np.ndarray]:
-    """Segments -> (ids int32, mask bool) with the mask True over the segment ranges [cuts[2k], cuts[2k+1])."""
+    """Segments -> (ids int32, mask bool); the mask is True over segments [cuts[2k], cuts[2k+1])."""
     pieces = [encode_segments(tokenizer, [s]) for s in segs]
     starts = np.cumsum([0] + [len(x) for x in pieces])
     mask = np.zeros(int(starts[-1]), dtype=bool)
@@ -191,8 +191,9 @@ class PackedChats:
     A batch: input_ids, labels [B, T] long, cu_seqlens [N+1] int64, doc_ids [B, T] int64.
     """
 
-    def __init__(self, chats: ChatSet, seq_len: int, batch_size: int, pad_id: int, seed: int = 0,
-                 shuffle: bool = True):  # fmt: skip
+    def __init__(
+        self, chats: ChatSet, seq_len: int, batch_size: int, pad_id: int, seed: int = 0, shuffle: bool = True
+    ):
         if seq_len < 2 or batch_size < 1:
             raise ValueError(f"seq_len must be >= 2 and batch_size >= 1, got {seq_len}, {batch_size}")
         longest = max(len(x) for x in chats.ids)
@@ -204,8 +205,15 @@ class PackedChats:
         self._order_epoch, self._order = None, None
 
     def state_dict(self) -> dict:
-        return dict(kind="packed_chats", epoch=self._epoch, taken=self._taken, seed=self.seed,
-                    shuffle=self.shuffle, num_docs=len(self.chats), num_tokens=self.chats.num_tokens)  # fmt: skip
+        return dict(
+            kind="packed_chats",
+            epoch=self._epoch,
+            taken=self._taken,
+            seed=self.seed,
+            shuffle=self.shuffle,
+            num_docs=len(self.chats),
+            num_tokens=self.chats.num_tokens,
+        )
 
     def load_state_dict(self, state: dict) -> None:
         if state.get("kind") != "packed_chats":

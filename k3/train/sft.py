@@ -95,8 +95,10 @@ class SFTTrainer(Trainer):
             self.train_chats, self.val_chats = _split_every(chats, 20)
         for name, cs in (("data", chats), ("val_data", self.val_chats if sft.val_data else None)):
             if cs is not None and cs.skipped:
-                self._say(f"{name}: skipped {len(cs.skipped)} bad line(s), first: line {cs.skipped[0][0]}: "
-                          f"{cs.skipped[0][1]}")  # fmt: skip
+                self._say(
+                    f"{name}: skipped {len(cs.skipped)} bad line(s), first: line {cs.skipped[0][0]}: "
+                    f"{cs.skipped[0][1]}"
+                )
         self.data_seconds = time.perf_counter() - t0
         self.token_bytes = token_byte_lengths(self.tokenizer)
         self._token_bytes_t = torch.from_numpy(self.token_bytes)
@@ -112,8 +114,15 @@ class SFTTrainer(Trainer):
             _val_batches(self.val_chats, tc.seq_len, tc.batch_size, pad) if self.val_chats is not None else []
         )
         self.monitor = MaxLogitMonitor(self.model)
-        self.state = {"step": 0, "total_steps": tc.steps, "tokens": 0, "bad_streak": 0, "skipped": 0,
-                      "train_seconds": 0.0, "threads": tc.threads}  # fmt: skip
+        self.state = {
+            "step": 0,
+            "total_steps": tc.steps,
+            "tokens": 0,
+            "bad_streak": 0,
+            "skipped": 0,
+            "train_seconds": 0.0,
+            "threads": tc.threads,
+        }
         self.out.mkdir(parents=True, exist_ok=True)
         self.log = MetricsLog(self.out / "metrics.jsonl")
         if self.resume_from is not None:
@@ -165,13 +174,23 @@ class SFTTrainer(Trainer):
         export_run_dir(path, self.out)
         s = self.state
         summary = {
-            "out": str(self.out), "init": self.sft.init, "interrupted": interrupted, "steps": s["step"],
-            "total_steps": s["total_steps"], "tokens": s["tokens"], "skipped_steps": s["skipped"],
-            "train_seconds": s["train_seconds"], "loop_seconds": getattr(self, "loop_seconds", 0.0),
-            "data_seconds": self.data_seconds, "val_loss": ev["val_loss"], "val_tokens": ev["tokens"],
-            "qat": list(self.tc.model_transforms), "preserve_thinking": self.sft.preserve_thinking,
-            "train_documents": len(self.train_chats), "checkpoint": str(path),
-        }  # fmt: skip
+            "out": str(self.out),
+            "init": self.sft.init,
+            "interrupted": interrupted,
+            "steps": s["step"],
+            "total_steps": s["total_steps"],
+            "tokens": s["tokens"],
+            "skipped_steps": s["skipped"],
+            "train_seconds": s["train_seconds"],
+            "loop_seconds": getattr(self, "loop_seconds", 0.0),
+            "data_seconds": self.data_seconds,
+            "val_loss": ev["val_loss"],
+            "val_tokens": ev["tokens"],
+            "qat": list(self.tc.model_transforms),
+            "preserve_thinking": self.sft.preserve_thinking,
+            "train_documents": len(self.train_chats),
+            "checkpoint": str(path),
+        }
         first = next((r for r in _read(self.log.path) if r.get("kind") == "eval"), None)
         if first is not None:
             summary["first_val_loss"] = first["val_loss"]
@@ -236,8 +255,9 @@ def assistant_loss(model: torch.nn.Module, batches: list[dict]) -> dict:
         for b in batches:
             out = model(b["input_ids"], cu_seqlens=b["cu_seqlens"], doc_ids=b["doc_ids"])
             logits = out.logits if hasattr(out, "logits") else out[0]
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), b["labels"].flatten(), reduction="sum",
-                                   ignore_index=-100)  # fmt: skip
+            loss = F.cross_entropy(
+                logits.flatten(0, 1).float(), b["labels"].flatten(), reduction="sum", ignore_index=-100
+            )
             total += float(loss)
             n += int((b["labels"] != -100).sum())
     finally:
@@ -271,13 +291,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--skip-bad", action="store_true", help="skip and count malformed lines instead of stopping"
     )
-    p.add_argument("--qat", choices=("mx", "none"), default="mx",
-                   help="mx (default): MXFP4 experts, MXFP8 activations from the first step; none: no QAT")  # fmt: skip
-    p.add_argument("--no-preserve-thinking", action="store_true",
-                   help="render earlier assistant turns' thinking empty (as the server does for "
-                   "preserve_thinking=false)")  # fmt: skip
-    p.add_argument("--conversations", type=int, default=TASK_CONVERSATIONS,
-                   help=f"embedded task: training conversations to generate (default {TASK_CONVERSATIONS})")  # fmt: skip
+    p.add_argument(
+        "--qat",
+        choices=("mx", "none"),
+        default="mx",
+        help="mx (default): MXFP4 experts, MXFP8 activations from the first step; none: no QAT",
+    )
+    p.add_argument(
+        "--no-preserve-thinking",
+        action="store_true",
+        help="render earlier assistant turns' thinking empty (as the server does for "
+        "preserve_thinking=false)",
+    )
+    p.add_argument(
+        "--conversations",
+        type=int,
+        default=TASK_CONVERSATIONS,
+        help=f"embedded task: training conversations to generate (default {TASK_CONVERSATIONS})",
+    )
     for flag, (_, typ, help_) in _FLAGS.items():
         p.add_argument(flag, type=typ, default=None, help=help_)
 
@@ -310,8 +341,13 @@ def _new_run(args) -> tuple[TrainConfig, SFTOptions]:
         stdlib_task.write_jsonl(stdlib_task.conversations(args.conversations, "train", tc.seed), data)
         stdlib_task.write_jsonl(stdlib_task.conversations(HELDOUT_CONVERSATIONS, "heldout", tc.seed), val)
     tc = tc.replace(data=data)
-    sft = SFTOptions(init=str(init), data=data, val_data=val,
-                     preserve_thinking=not args.no_preserve_thinking, skip_bad=args.skip_bad)  # fmt: skip
+    sft = SFTOptions(
+        init=str(init),
+        data=data,
+        val_data=val,
+        preserve_thinking=not args.no_preserve_thinking,
+        skip_bad=args.skip_bad,
+    )
     return tc, sft
 
 
@@ -323,8 +359,11 @@ def run(args: argparse.Namespace) -> int:
         state = ckpt.read_trainer_state(ckpt.resolve_checkpoint(args.resume))
         if "sft" not in state:
             raise ValueError(f"resume: {args.resume} is not an SFT run (use `k3 train --resume`)")
-        over = {k: v for k, v in (("steps", args.steps), ("minutes", args.minutes), ("threads", args.threads))
-                if v is not None}  # fmt: skip
+        over = {
+            k: v
+            for k, v in (("steps", args.steps), ("minutes", args.minutes), ("threads", args.threads))
+            if v is not None
+        }
         tc, sft = resume_config(args.resume, **over), SFTOptions(**state["sft"])
     else:
         tc, sft = _new_run(args)
