@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import json
+import warnings
 from functools import cache
 
 MODULES = tuple(
@@ -92,6 +93,19 @@ def find(name: str) -> str:
     return ", ".join(found) if found else f"error: no lookup module defines {name!r}"
 
 
+def _quiet(fn):
+    """A tool that does not print the DeprecationWarnings of the old names it may touch."""
+
+    def tool(name):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return fn(name)
+
+    tool.__name__ = fn.__name__
+    return tool
+
+
+signature, doc, find = _quiet(signature), _quiet(doc), _quiet(find)
 FUNCTIONS = {"signature": signature, "doc": doc, "find": find}
 
 
