@@ -21,8 +21,13 @@ def test_tools_answer_from_inspect():
     assert st.doc("textwrap.dedent") == inspect.getdoc(textwrap.dedent).split("\n")[0]
     assert st.find("dedent") == "textwrap"
     assert st.call_tool("find", '{"name": "dedent"}') == "textwrap"
-    for bad in (st.signature("antigravity.fly"), st.signature("os.system"), st.doc("textwrap._x"),
-                st.call_tool("find", "{oops"), st.call_tool("rm", "{}")):  # fmt: skip
+    for bad in (
+        st.signature("antigravity.fly"),
+        st.signature("os.system"),
+        st.doc("textwrap._x"),
+        st.call_tool("find", "{oops"),
+        st.call_tool("rm", "{}"),
+    ):
         assert bad.startswith("error:")
 
 
@@ -44,8 +49,10 @@ class _Client:
 
     def create(self, model, messages, tools, **kw):
         content, calls = self.policy(messages)
-        tcs = [SimpleNamespace(id=f"call_{i}", function=SimpleNamespace(name=n, arguments=a))
-               for i, (n, a) in enumerate(calls)]  # fmt: skip
+        tcs = [
+            SimpleNamespace(id=f"call_{i}", function=SimpleNamespace(name=n, arguments=a))
+            for i, (n, a) in enumerate(calls)
+        ]
         msg = SimpleNamespace(content=content, tool_calls=tcs or None, reasoning_content="r", model_extra={})
         return SimpleNamespace(choices=[SimpleNamespace(message=msg)])
 
@@ -66,8 +73,9 @@ def test_scoring_perfect_and_wrong():
     for ref in task.conversations(12, "heldout", seed=2):
         rec = run_conversation(_Client(_reference_policy(ref)), "m", ref, 64, 4, {})
         assert rec["correct"] and rec["valid_json"] == rec["right_call"] == rec["call_turns"] > 0
-        wrong = run_conversation(_Client(lambda msgs: ("", [("doc", '{"name": "textwrap.dedent"}')])), "m", ref,
-                                 64, 3, {})  # fmt: skip
+        wrong = run_conversation(
+            _Client(lambda msgs: ("", [("doc", '{"name": "textwrap.dedent"}')])), "m", ref, 64, 3, {}
+        )
         assert (
             not wrong["correct"] and wrong["right_call"] == 0 and wrong["valid_json"] == wrong["call_turns"]
         )
@@ -91,8 +99,23 @@ def test_eval_agent_end_to_end(tmp_path):
     d = save_checkpoint(model, cfg, tmp_path / "nano")
     train_tokenizer([json.dumps(task.conversations(30, "train"))], vocab_size=cfg.vocab_size).save(d)
     out = tmp_path / "scores.json"
-    cmd = [sys.executable, "-m", "k3.cli", "eval-agent", str(d), "--conversations", "2", "--max-tokens", "8",
-           "--max-requests", "2", "--json", str(out), "--lifetime", "120"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "k3.cli",
+        "eval-agent",
+        str(d),
+        "--conversations",
+        "2",
+        "--max-tokens",
+        "8",
+        "--max-requests",
+        "2",
+        "--json",
+        str(out),
+        "--lifetime",
+        "120",
+    ]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
     assert r.returncode == 0, r.stderr[-2000:]
     res = json.loads(out.read_text())

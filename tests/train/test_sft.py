@@ -10,8 +10,16 @@ import torch
 from k3.chat_format import ChatOptions, encode_chat
 from k3.data.chats import PackedChats, read_chats, render_conversation
 
-TOOLS = [{"type": "function", "function": {"name": "doc", "description": "doc line",
-          "parameters": {"type": "object", "properties": {"name": {"type": "string"}}}}}]  # fmt: skip
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "doc",
+            "description": "doc line",
+            "parameters": {"type": "object", "properties": {"name": {"type": "string"}}},
+        },
+    }
+]
 CALL = {"id": "c1", "type": "function", "function": {"name": "doc", "arguments": '{"name": "a.b"}'}}
 
 
@@ -46,8 +54,10 @@ def _runs(mask: np.ndarray) -> list[tuple[int, int]]:
 def test_mask_is_exactly_the_assistant_turns(tok):
     [(ids, mask)] = render_conversation(tok, _conv())
     spans = [tok.decode(ids[a:b].tolist(), skip_special=False) for a, b in _runs(mask)]
-    call = ('<|open|>tools<|sep|><|open|>call tool="doc" index="1"<|sep|><|open|>argument key="name" '
-            'type="string"<|sep|>a.b<|close|>argument<|sep|><|close|>call<|sep|><|close|>tools<|sep|>')  # fmt: skip
+    call = (
+        '<|open|>tools<|sep|><|open|>call tool="doc" index="1"<|sep|><|open|>argument key="name" '
+        'type="string"<|sep|>a.b<|close|>argument<|sep|><|close|>call<|sep|><|close|>tools<|sep|>'
+    )
     end = "<|close|>message<|sep|><|end_of_msg|>"
     assert spans == [
         "I call doc.<|close|>think<|sep|><|open|>response<|sep|><|close|>response<|sep|>" + call + end,
@@ -149,7 +159,7 @@ def test_packed_chats_resume(tok):
                 }
             ),
             "answers no call",
-        ),  # fmt: skip
+        ),
         (json.dumps(_conv("?" + "long words here " * 400)), "longer than the context"),
         (json.dumps({"messages": [{"role": "user", "content": "hi"}]}), "no assistant message"),
     ],
@@ -180,10 +190,21 @@ def test_short_sft_run_lowers_assistant_loss(tok, tmp_path):
     data.write_text(
         "".join(json.dumps(_conv(f"What does a.b{k} do?", f"Frob {k}.")) + "\n" for k in range(12))
     )
-    tc = TrainConfig(**SFT_DEFAULTS).replace(preset=str(init / "config.json"), data=str(data), steps=12,
-                                             minutes=None, seq_len=1200, batch_size=2, lr=0.01, adamw_lr=0.01,
-                                             warmup_steps=2, eval_every=0, save_every=0, threads=1,
-                                             out=str(tmp_path / "sft"))  # fmt: skip
+    tc = TrainConfig(**SFT_DEFAULTS).replace(
+        preset=str(init / "config.json"),
+        data=str(data),
+        steps=12,
+        minutes=None,
+        seq_len=1200,
+        batch_size=2,
+        lr=0.01,
+        adamw_lr=0.01,
+        warmup_steps=2,
+        eval_every=0,
+        save_every=0,
+        threads=1,
+        out=str(tmp_path / "sft"),
+    )
     sft = SFTOptions(init=str(init), data=str(data), val_data=str(data))
     summary = SFTTrainer(tc, sft, progress=False, quiet=True).run(measure_peak=False)
     assert summary["qat"] == ["qat-mx"] and summary["steps"] == 12
