@@ -203,6 +203,12 @@ class PackedChats:
         self.seed, self.shuffle = seed, shuffle
         self._epoch, self._taken = 0, 0
         self._order_epoch, self._order = None, None
+        self.single_pass = False  # True: rows end at the end of the first epoch (evaluation sets)
+
+    @property
+    def exhausted(self) -> bool:
+        """Every document of the first epoch has been taken."""
+        return self._epoch > 0 or self._taken == len(self.chats)
 
     def state_dict(self) -> dict:
         return dict(
@@ -245,7 +251,7 @@ class PackedChats:
         T = self.seq_len
         ids, labels = np.full(T, self.pad_id, dtype=np.int64), np.full(T, -100, dtype=np.int64)
         starts, used = np.zeros(T, dtype=bool), 0
-        while True:
+        while not (self.single_pass and self.exhausted):
             d = self._doc()
             doc, mask = self.chats.ids[d], self.chats.mask[d]
             if used + len(doc) > T:

@@ -235,11 +235,10 @@ def _val_batches(chats, seq_len: int, batch_size: int, pad: int) -> list[dict]:
     from k3.data.chats import PackedChats
 
     loader = PackedChats(chats, seq_len, batch_size, pad, shuffle=False)
+    loader.single_pass = True
     out = []
-    while loader.state_dict()["epoch"] == 0 and not (out and loader._taken == 0):
+    while not loader.exhausted:
         out.append(next(loader))
-        if loader._epoch > 0 or loader._taken >= len(chats):
-            break
     return out
 
 

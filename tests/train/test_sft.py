@@ -212,3 +212,16 @@ def test_short_sft_run_lowers_assistant_loss(tok, tmp_path):
     assert (tmp_path / "sft" / "model.safetensors").exists() and (
         tmp_path / "sft" / "tokenizer.json"
     ).exists()
+
+
+def test_evaluation_batches_hold_each_document_once(tok):
+    from k3.data.chats import ChatSet
+    from k3.train.sft import _val_batches
+
+    docs = [render_conversation(tok, _conv(f"q{k}?", "y" * k))[0] for k in range(9)]
+    chats = ChatSet([d[0] for d in docs], [d[1] for d in docs], list(range(9)))
+    batches = _val_batches(chats, 1300, 2, tok.eos_id)
+    supervised = sum(int((b["labels"] != -100).sum()) for b in batches)
+    assert supervised == sum(int(m[1:].sum()) for m in chats.mask)
+    starts = sum(int(((b["labels"] != -100).long().diff(dim=1) == 1).sum()) for b in batches)
+    assert starts == 3 * 9  # three assistant spans per conversation, none twice
