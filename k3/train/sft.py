@@ -38,8 +38,8 @@ TASK_CONVERSATIONS = 4000  # the embedded task's training conversations (more th
 HELDOUT_CONVERSATIONS = 48  # held-out conversations of the evaluation loss
 SFT_DEFAULTS = dict(  # TrainConfig fields of `k3 sft` (flags override them)
     minutes=8.0,
-    seq_len=1024,
-    batch_size=4,
+    seq_len=2048,
+    batch_size=2,
     lr=0.004,
     adamw_lr=0.008,
     warmup_steps=10,
@@ -270,8 +270,8 @@ _FLAGS = {  # flag -> (TrainConfig field, type, help)
     "--minutes": ("minutes", float, "training-loop time budget (default 8)"),
     "--steps": ("steps", int, "optimizer steps (overrides --minutes)"),
     "--seed": ("seed", int, "seed of the data order and of the embedded task's conversations (default 0)"),
-    "--seq-len": ("seq_len", int, "tokens per packed row; longer conversations are bad lines (default 1024)"),
-    "--batch-size": ("batch_size", int, "rows per step (default 4)"),
+    "--seq-len": ("seq_len", int, "tokens per packed row; longer conversations are bad lines (default 2048)"),
+    "--batch-size": ("batch_size", int, "rows per step (default 2)"),
     "--lr": ("lr", float, "Muon learning rate (default 0.004)"),
     "--adamw-lr": ("adamw_lr", float, "AdamW learning rate (default 0.008)"),
     "--warmup-steps": ("warmup_steps", int, "linear warm-up steps (default 10)"),
