@@ -122,20 +122,25 @@ def run_conversation(client, model: str, ref: dict, max_tokens: int, max_request
         "right_call": 0,
         "requests": [],
         "answered": [],
+        "errors": [],
         "messages": messages,
     }
     for turn in expected_turns(ref):
         messages.append({"role": "user", "content": turn["user"]})
         answer, k = None, 0
         for k in range(max_requests):
-            resp = client.chat.completions.create(
-                model=model,
-                messages=messages,
-                tools=st.TOOLS,
-                temperature=0,
-                max_tokens=max_tokens,
-                extra_body=extra,
-            )
+            try:
+                resp = client.chat.completions.create(
+                    model=model,
+                    messages=messages,
+                    tools=st.TOOLS,
+                    temperature=0,
+                    max_tokens=max_tokens,
+                    extra_body=extra,
+                )
+            except Exception as e:  # noqa: BLE001 - a request the model's own history broke (400: too long...)
+                rec["errors"].append(f"{type(e).__name__}: {e}"[:300])
+                break
             msg = resp.choices[0].message
             calls = msg.tool_calls or []
             if k < len(turn["calls"]):  # the reference calls tools here
@@ -171,6 +176,8 @@ def run_conversation(client, model: str, ref: dict, max_tokens: int, max_request
                 )
         rec["requests"].append(k + 1)
         rec["answered"].append(answer is not None and all(f in answer for f in turn["facts"]))
+        if rec["errors"]:
+            break
     rec["correct"] = all(rec["answered"])
     return rec
 
@@ -212,7 +219,10 @@ def evaluate_agent(
         "requests_per_turn": sum(user_turns) / len(user_turns),
         "reference_requests_per_turn": sum(ref_requests) / len(ref_requests),
         "seconds": time.perf_counter() - t0,
-        "transcripts": [{"correct": r["correct"], "messages": r["messages"]} for r in recs],
+        "request_errors": sum(len(r["errors"]) for r in recs),
+        "transcripts": [
+            {"correct": r["correct"], "errors": r["errors"], "messages": r["messages"]} for r in recs
+        ],
     }
 
 

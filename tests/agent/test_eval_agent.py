@@ -131,3 +131,12 @@ def test_eval_agent_refuses_bad_counts(n):
 
     with pytest.raises(ValueError, match="conversations"):
         evaluate_agent("http://127.0.0.1:9", conversations=n)
+
+
+def test_a_refused_request_fails_the_conversation_not_the_run():
+    def policy(messages):
+        raise RuntimeError("400: the prompt is longer than the context")
+
+    ref = task.conversations(1, "heldout", seed=0)[0]
+    rec = run_conversation(_Client(policy), "m", ref, 64, 3, {})
+    assert not rec["correct"] and rec["errors"] and rec["requests"] == [1]
