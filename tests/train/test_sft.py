@@ -173,13 +173,13 @@ def test_bad_lines_name_their_line(tok, tmp_path, line, fault):
     assert len(chats) == 2 and chats.lines == [1, 3] and [n for n, _ in chats.skipped] == [2]
 
 
-def test_short_sft_run_lowers_assistant_loss(tok, tmp_path):
+def _sft_setup(tok, tmp_path, **changes):
     from k3.checkpoint import save_checkpoint
     from k3.config import preset
     from k3.model.init import init_weights
     from k3.model.transformer import K3ForCausalLM
     from k3.train.config import TrainConfig
-    from k3.train.sft import SFT_DEFAULTS, SFTOptions, SFTTrainer
+    from k3.train.sft import SFT_DEFAULTS, SFTOptions
 
     cfg = preset("k3-nano").replace(dtype="float32")
     model = K3ForCausalLM(cfg)
@@ -190,7 +190,7 @@ def test_short_sft_run_lowers_assistant_loss(tok, tmp_path):
     data.write_text(
         "".join(json.dumps(_conv(f"What does a.b{k} do?", f"Frob {k}.")) + "\n" for k in range(12))
     )
-    tc = TrainConfig(**SFT_DEFAULTS).replace(
+    base = dict(
         preset=str(init / "config.json"),
         data=str(data),
         steps=12,
@@ -205,13 +205,42 @@ def test_short_sft_run_lowers_assistant_loss(tok, tmp_path):
         threads=1,
         out=str(tmp_path / "sft"),
     )
-    sft = SFTOptions(init=str(init), data=str(data), val_data=str(data))
+    tc = TrainConfig(**SFT_DEFAULTS).replace(**{**base, **changes})
+    return tc, SFTOptions(init=str(init), data=str(data), val_data=str(data))
+
+
+def test_short_sft_run_lowers_assistant_loss(tok, tmp_path):
+    from k3.train.sft import SFTTrainer
+
+    tc, sft = _sft_setup(tok, tmp_path)
     summary = SFTTrainer(tc, sft, progress=False, quiet=True).run(measure_peak=False)
     assert summary["qat"] == ["qat-mx"] and summary["steps"] == 12
     assert summary["val_loss"] < summary["first_val_loss"] - 0.5
     assert (tmp_path / "sft" / "model.safetensors").exists() and (
         tmp_path / "sft" / "tokenizer.json"
     ).exists()
+
+
+def test_sft_resume_is_bit_exact(tok, tmp_path):
+    from k3.train.checkpointing import read_trainer_state, step_dirs
+    from k3.train.metrics import read_metrics
+    from k3.train.sft import SFTOptions, SFTTrainer
+    from k3.train.trainer import resume_config
+
+    tc, sft = _sft_setup(tok, tmp_path, steps=6, save_every=3, keep=3)
+    SFTTrainer(tc, sft, progress=False, quiet=True).run(measure_peak=False)
+    half = [d for d in step_dirs(tmp_path / "sft") if d.name.endswith("00000003")][0]
+    saved = SFTOptions(**read_trainer_state(half)["sft"])  # what `k3 sft --resume` rebuilds
+    assert saved == sft
+    SFTTrainer(
+        resume_config(half, out=str(tmp_path / "resumed")), saved, resume=half, progress=False, quiet=True
+    ).run(measure_peak=False)
+
+    def losses(d):
+        return {r["step"]: r["loss"] for r in read_metrics(d / "metrics.jsonl") if r["kind"] == "train"}
+
+    a, b = losses(tmp_path / "sft"), losses(tmp_path / "resumed")
+    assert sorted(b) == [4, 5, 6] and [a[s] for s in (4, 5, 6)] == [b[s] for s in (4, 5, 6)]
 
 
 def test_evaluation_batches_hold_each_document_once(tok):
