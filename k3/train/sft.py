@@ -35,7 +35,7 @@ from k3.train.config import TrainConfig
 from k3.train.trainer import Trainer
 
 TASK_CONVERSATIONS = 4000  # the embedded task's training conversations (more than a default run visits)
-HELDOUT_CONVERSATIONS = 48  # held-out conversations of the evaluation loss
+HELDOUT_CONVERSATIONS = 16  # held-out conversations of the evaluation loss (~10k tokens, ~3 steps of time)
 SFT_DEFAULTS = dict(  # TrainConfig fields of `k3 sft` (flags override them)
     minutes=8.0,
     seq_len=2048,
