@@ -247,7 +247,7 @@ def assistant_loss(model: torch.nn.Module, batches: list[dict]) -> dict:
     """Mean next-token cross-entropy over the supervised (assistant) tokens of `batches`."""
     import torch.nn.functional as F
 
-    was = model.training
+    training = model.training
     model.eval()
     total, n = 0.0, 0
     try:
@@ -260,7 +260,7 @@ def assistant_loss(model: torch.nn.Module, batches: list[dict]) -> dict:
             total += float(loss)
             n += int((b["labels"] != -100).sum())
     finally:
-        model.train(was)
+        model.train(training)
     return {"val_loss": total / n if n else math.nan, "tokens": n}
 
 
