@@ -29,6 +29,10 @@ HOLDOUT_MOD = 4
 MAX_SIGNATURE_CHARS = 40
 DOC_CHARS = (8, 60)
 KINDS = {"signature": 0.3, "doc": 0.3, "find": 0.2, "both": 0.1, "follow_up": 0.1}
+# share of training conversations about a made-up name (a real module, words of real names joined): the
+# tool answers "error: ..." and the assistant reports it. A few hundred real names can be memorized;
+# made-up ones can only be copied from the question, which is the skill the held-out split measures.
+MADE_UP = 0.4
 
 
 def held_out(module: str) -> bool:
@@ -89,8 +93,50 @@ def _answer(conv: list, text: str, think: str = "The tool answered; I quote it."
     conv.append({"role": "assistant", "content": text, "reasoning_content": think})
 
 
-def conversation(rng: random.Random, modules: list[str]) -> dict:
-    """One conversation {"messages": [...], "tools": TOOLS} about a random name of `modules`."""
+@cache
+def _words(modules: tuple[str, ...]) -> tuple[str, ...]:
+    return tuple(
+        sorted({w for m in modules for e in entries(m) for w in e[0].split(".")[1].lower().split("_") if w})
+    )
+
+
+def made_up(rng: random.Random, modules: list[str]) -> str:
+    """A dotted name that does not exist: a module of `modules` and one to three words of its names."""
+    words = _words(tuple(modules))
+    while True:
+        mod = rng.choice(modules)
+        name = "_".join(rng.sample(words, rng.randint(1, 3)))
+        if not hasattr(st.module(mod), name) and st.find(name).startswith("error"):
+            return f"{mod}.{name}"
+
+
+def _made_up_conversation(rng: random.Random, modules: list[str]) -> dict:
+    dotted = made_up(rng, modules)
+    tool = rng.choice(["signature", "doc", "find"])
+    conv: list[dict] = []
+    if tool == "find":
+        bare = dotted.split(".", 1)[1]
+        q = rng.choice(["Which module defines {}?", "Where is {} defined?"]).format(bare)
+        res = _lookup(conv, "find", bare, q, f"The user asks where {bare} is defined; I call find.")
+        _answer(conv, f"{bare}: {res}")
+    elif tool == "signature":
+        q = rng.choice(["What arguments does {} take?", "What is the signature of {}?"]).format(dotted)
+        res = _lookup(
+            conv, "signature", dotted, q, f"The user wants the signature of {dotted}; I call signature."
+        )
+        _answer(conv, f"{dotted}: {res}")
+    else:
+        q = rng.choice(["What does {} do?", "What is {} for?"]).format(dotted)
+        res = _lookup(conv, "doc", dotted, q, f"The user asks what {dotted} does; I call doc.")
+        _answer(conv, f"{dotted}: {res}")
+    return {"messages": conv, "tools": st.TOOLS}
+
+
+def conversation(rng: random.Random, modules: list[str], made_up_share: float = 0.0) -> dict:
+    """One conversation {"messages": [...], "tools": TOOLS} about a random name of `modules` (with
+    probability `made_up_share`, about a made-up name of one of them)."""
+    if made_up_share and rng.random() < made_up_share:
+        return _made_up_conversation(rng, modules)
     kind = rng.choices(list(KINDS), weights=list(KINDS.values()))[0]
     pool = [e for m in modules for e in entries(m) if kind != "find" or e[3]]
     dotted, sig, line, _ = rng.choice(pool)
@@ -130,7 +176,8 @@ def conversations(n: int, split: str = "train", seed: int = 0) -> list[dict]:
     """`n` conversations of `split` ("train" or "heldout"), a pure function of (n, split, seed)."""
     rng = random.Random(f"{split}-{seed}")
     modules = split_modules(split)
-    return [conversation(rng, modules) for _ in range(n)]
+    share = MADE_UP if split == "train" else 0.0  # the held-out split asks about real names only
+    return [conversation(rng, modules, share) for _ in range(n)]
 
 
 def write_jsonl(convs: list[dict], path) -> None:

@@ -140,3 +140,19 @@ def test_a_refused_request_fails_the_conversation_not_the_run():
     ref = task.conversations(1, "heldout", seed=0)[0]
     rec = run_conversation(_Client(policy), "m", ref, 64, 3, {})
     assert not rec["correct"] and rec["errors"] and rec["requests"] == [1]
+
+
+def test_made_up_names_do_not_exist_and_are_reported():
+    import random
+
+    rng = random.Random(0)
+    mods = task.split_modules("train")
+    for _ in range(50):
+        name = task.made_up(rng, mods)
+        assert st.signature(name).startswith("error:") and name.split(".")[0] in mods
+    convs = task.conversations(300, "train", seed=1)
+    made = [c for c in convs if c["messages"][2]["content"].startswith("error:")]
+    assert 0.25 < len(made) / len(convs) < 0.55
+    assert all(c["messages"][2]["content"] in c["messages"][-1]["content"] for c in made)
+    held = task.conversations(50, "heldout")
+    assert not any(c["messages"][2]["content"].startswith("error:") for c in held)
