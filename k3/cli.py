@@ -29,6 +29,8 @@ COMMANDS: tuple[Command, ...] = (
     Command("train", "k3.train.cli", "train a K3 model (default: k3-mini on the stdlib, 10 minutes on CPU)"),
     Command("eval", "k3.train.cli", "validation loss and bits per byte of a checkpoint"),
     Command("sample", "k3.train.cli", "sample text from a checkpoint"),
+    Command("sft", "k3.train.sft", "supervised fine-tuning on conversations from a run, QAT from step 0"),
+    Command("eval-agent", "k3.agent.evaluate", "score a chat model as a tool-calling agent through k3 serve"),
     Command("ablate", "k3.train.cli", "train K3 recipe variants at equal tokens and seeds; table + plot"),
     Command("plan", "k3.capacity", "per-GPU memory plan for training and serving a config on G GPUs"),
     Command("export", "k3.export.cli", "export a checkpoint: the release layout (hf) or a llama.cpp GGUF"),

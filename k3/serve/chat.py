@@ -3,12 +3,19 @@
 Reasoning streams dimmed, the answer normally; earlier turns (with their reasoning, preserved thinking)
 are rendered back into every new prompt, so the prefix cache serves the conversation so far.
 Commands: /reset clears the history, /quit (or EOF) exits.
+
+Tools: with `--tools stdlib` (the default) the prompt declares the embedded task's tools (signature, doc,
+find: k3.agent.stdlib_tools) and the chat runs the tool loop itself: each call the model makes is shown,
+run, its result shown and sent back, and the model continues, up to MAX_TOOL_ROUNDS times a turn. A
+checkpoint that `k3 sft` never trained on conversations (no sft_config.json beside it) gets a warning:
+such a model continues Python text and knows nothing of the chat format.
 """
 
 from __future__ import annotations
 
 import asyncio
 import sys
+from pathlib import Path
 
 from k3.serve.cli import add_engine_arguments, build_engine
 
@@ -19,14 +26,33 @@ def add_arguments(parser) -> None:
     parser.add_argument("--temperature", type=float, default=0.6)
     parser.add_argument("--max-tokens", type=int, default=2048)
     parser.add_argument("--no-thinking", action="store_true")
+    parser.add_argument(
+        "--tools",
+        choices=("stdlib", "none"),
+        default="stdlib",
+        help="stdlib (default): declare and run the stdlib lookup tools; none: no tools",
+    )
+
+
+MAX_TOOL_ROUNDS = 4
+
+
+def trained_on_chats(checkpoint: str) -> bool:
+    """Whether `k3 sft` made this model: its sft_config.json sits beside it (run directory, a release
+    that `k3 quantize` copied it into) or in the run above a checkpoints/step-N directory."""
+    d = Path(checkpoint)
+    return any((p / "sft_config.json").exists() for p in (d, d.parent.parent))
 
 
 async def _turn(aengine, messages, args) -> dict:
     from k3.chat_format import ChatOptions, encode_chat, marker_ids, parse_marked
     from k3.infer.sequence import SamplingParams
 
+    tools = None
+    if args.tools == "stdlib":
+        from k3.agent.stdlib_tools import TOOLS as tools
     opts = ChatOptions(thinking=not args.no_thinking)
-    prompt = encode_chat(aengine.tokenizer, messages, options=opts)
+    prompt = encode_chat(aengine.tokenizer, messages, tools, options=opts)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=0.95,
                             reserved_text=tuple(marker_ids(aengine.tokenizer).items()))  # fmt: skip
     shown = {"reasoning_content": "", "content": ""}
@@ -41,11 +67,30 @@ async def _turn(aengine, messages, args) -> dict:
                 sys.stdout.flush()
         shown = {k: parsed[k] for k in shown}
     print()
-    return {
+    out = {
         "role": "assistant",
         "content": parsed["content"],
         "reasoning_content": parsed["reasoning_content"],
     }
+    if parsed["tool_calls"]:
+        out["tool_calls"] = parsed["tool_calls"]
+    return out
+
+
+async def _answer(aengine, messages, args) -> None:
+    """One user turn: generate; while the model calls tools (and rounds are left), run them and go on."""
+    from k3.agent.stdlib_tools import call_tool
+
+    for _ in range(MAX_TOOL_ROUNDS):
+        msg = await _turn(aengine, messages, args)
+        messages.append(msg)
+        if not msg.get("tool_calls") or args.tools == "none":
+            return
+        for call in msg["tool_calls"]:
+            fn = call["function"]
+            result = call_tool(fn["name"], fn["arguments"])
+            print(f"\033[36m[tool] {fn['name']}({fn['arguments']}) -> {result}\033[0m")
+            messages.append({"role": "tool", "tool_call_id": call["id"], "content": result})
 
 
 async def _loop(aengine, args) -> None:
@@ -62,13 +107,20 @@ async def _loop(aengine, args) -> None:
             messages = list(system)
             continue
         messages.append({"role": "user", "content": line})
-        messages.append(await _turn(aengine, messages, args))
+        await _answer(aengine, messages, args)
 
 
 def run(args) -> int:
     from k3.infer.async_engine import AsyncEngine
 
-    aengine = AsyncEngine(build_engine(args))
+    engine = build_engine(args)
+    if not trained_on_chats(args.checkpoint):
+        print(
+            f"k3 chat: warning: {args.checkpoint} was never trained on conversations (no sft_config.json); "
+            "it continues text and knows nothing of the chat format (fine-tune it: k3 sft RUN --out OUT)",
+            file=sys.stderr,
+        )
+    aengine = AsyncEngine(engine)
     try:
         asyncio.run(_loop(aengine, args))
     finally:
