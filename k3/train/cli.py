@@ -45,7 +45,12 @@ _TRAIN_FLAGS = {  # flag -> (TrainConfig field, type, help)
     "--warmup-steps": ("warmup_steps", int, "linear warm-up steps"),
     "--grad-clip": ("grad_clip", float, "global grad-norm clip (0: off)"),
     "--eval-every": ("eval_every", int, "evaluate every N steps (0: only at the end)"),
-    "--eval-tokens": ("eval_tokens", int, "validation tokens per evaluation"),
+    "--eval-tokens": ("eval_tokens", int, "validation tokens per evaluation during training"),
+    "--final-eval-tokens": (
+        "final_eval_tokens",
+        int,
+        "validation tokens of the final evaluation (default: the whole split; 0: no final evaluation)",
+    ),
     "--save-every": ("save_every", int, "checkpoint every N steps (0: only at the end)"),
     "--keep": ("keep", int, "training checkpoints to keep"),
     "--log-every": ("log_every", int, "progress line every N steps when stderr is not a terminal"),
@@ -77,6 +82,13 @@ def _train_args(p: argparse.ArgumentParser) -> None:
         choices=("text", "vision"),
         default=None,
         help="vision: the image-text task on a VL preset (k3-tiny-vl; k3.vision.train_vl, docs/vision.md)",
+    )
+    p.add_argument(
+        "--skip-bad",
+        action="store_true",
+        default=None,
+        help="skip and count bad records of --data (a line that is not JSON, no string 'text') "
+        "instead of stopping at the first one",
     )
     p.add_argument("--bf16", action="store_true", default=None, help="bf16 autocast for the forward")
     p.add_argument("--no-per-head", action="store_true", help="whole-matrix Muon (no per-head split)")
@@ -115,6 +127,8 @@ def _explicit_changes(args: argparse.Namespace) -> dict:
         changes["minutes"] = None
     if args.bf16:
         changes["bf16"] = True
+    if args.skip_bad:
+        changes["skip_bad"] = True
     if args.no_per_head:
         changes["per_head"] = False
     if args.no_qk_clip:
