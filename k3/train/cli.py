@@ -219,7 +219,9 @@ def _eval_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("dir", help="checkpoint directory (a run directory or checkpoints/step-N)")
     p.add_argument("--data", help="corpus whose validation split to use (default: the run's, else stdlib)")
     p.add_argument("--seq-len", type=int, help="default: the run's (else 256)")
-    p.add_argument("--batch-size", type=int, help="default: the run's (else 8)")
+    p.add_argument(
+        "--batch-size", type=int, help="rows per forward (default: the run's final evaluation's, ~8k tokens)"
+    )
     p.add_argument("--tokens", type=int, help="validation tokens to score (default: all of the split)")
     p.add_argument(
         "--parse",
@@ -271,24 +273,30 @@ def run_eval(args: argparse.Namespace) -> int:
     docs = tokenize_documents(tok, load_corpus(data, "val", val_percent).documents)
     if docs.num_docs == 0:
         raise ValueError(f"data: the validation split of {data or 'the stdlib'} is empty")
+    from k3.data.eval_set import build_eval_set
+    from k3.train.evaluate import eval_batch_rows
+
     run = tc or TrainConfig()  # with the run's settings the numbers equal its final evaluation
-    seq_len, batch = args.seq_len or run.seq_len, args.batch_size or run.batch_size
+    seq_len = args.seq_len or run.seq_len
+    es = build_eval_set(docs, seq_len, tok.eos_id)
+    rows = es.rows if not args.tokens else min(es.rows, -(-args.tokens // seq_len))
+    batch = args.batch_size or eval_batch_rows(seq_len, run.batch_size, 1, rows)  # the final one's batches
     res = evaluate(
         model,
-        docs,
+        es,
         token_byte_lengths(tok),
         tok.eos_id,
         seq_len=seq_len,
         batch_size=batch,
         max_tokens=args.tokens,  # None: the whole split, as the run's final evaluation
         bf16=run.bf16,
+        inference=True,
     )
     res["data"] = data or "stdlib"
     if not args.tokens:  # the whole split: the compressors on exactly the scored bytes
-        from k3.data.eval_set import build_eval_set
         from k3.train.baselines import compressor_bpb, eval_set_bytes
 
-        order = build_eval_set(docs, seq_len, tok.eos_id).order
+        order = es.order
         res["baselines_bpb"] = compressor_bpb(eval_set_bytes(docs, order, tok, token_byte_lengths(tok)))
     if args.parse:
         from k3.train import samples as smp

@@ -124,6 +124,7 @@ def finish_run(trainer, interrupted: bool) -> dict:
     }
     trainer.plot()
     summary["phases"] = dict(trainer.phases)  # fixed costs, seconds (k3.train.trainer)
+    summary["native_build_seconds"] = trainer.native_build_seconds  # within the phases
     summary["wall_seconds"] = time.perf_counter() - trainer.started
     (trainer.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     if not trainer.quiet:
@@ -181,6 +182,11 @@ def _print_report(sm: dict) -> None:
         ("skipped steps", str(sm["skipped_steps"])),
         ("wall time", format_duration(sm["wall_seconds"]) + " (whole run; fixed costs below)"),
         *((f"  {name}", f"{sec:.1f} s") for name, sec in sm["phases"].items()),
+        *(
+            [("  of which kernel builds", f"{sm['native_build_seconds']:.1f} s (first use on this machine)")]
+            if sm["native_build_seconds"] >= 0.05
+            else []
+        ),
         ("output", sm["out"]),
     ]
     out = sys.stdout

@@ -7,8 +7,8 @@
 
 Fixed costs: every phase outside the steps (data, baselines, model, matmul peak, evals during the loop,
 final eval, checkpoint, samples, plots) is timed into `Trainer.phases` {name: seconds}, printed as it
-ends and listed in the summary; "native builds" is the part of them spent compiling C kernels on their
-first use (once per machine: they are cached). Builds inside the steps count in the train time.
+ends and listed in the summary, with the part of them spent compiling C kernels on their first use
+(`native_build_seconds`; once per machine, they are cached). Builds inside a step count as train time.
 
 Length: `steps`, or `minutes` of training loop (periodic evals included): the step count is fixed
 once the first `warmup` steps have been timed, so the schedule is a pure function of the step and a
@@ -182,6 +182,7 @@ class Trainer:
         `parallel`: k3.parallel.runtime.ParallelOptions (the ep size); see make_runtime."""
         self.started = time.perf_counter()
         self.phases: dict[str, float] = {}  # fixed costs: phase -> seconds (see the module doc)
+        self.native_build_seconds = 0.0  # the part of the phases spent compiling C kernels
         self.resume_from = ckpt.resolve_checkpoint(resume) if resume else None
         self.rt = make_runtime(parallel, self.resume_from)
         quiet = quiet or not self.rt.is_main
@@ -337,7 +338,7 @@ class Trainer:
         self.phases[name] = self.phases.get(name, 0.0) + dt
         if built >= 0.05:  # kernels compile on first use into the cache (k3.ops.native)
             notes.append(f"{built:.1f} s of it compiling native kernels")
-            self.phases["native builds"] = self.phases.get("native builds", 0.0) + built
+            self.native_build_seconds += built
         self._say(f"{name}: {dt:.1f} s" + (f" ({'; '.join(notes)})" if notes else ""))
 
     def _say(self, text: str) -> None:
