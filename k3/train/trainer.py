@@ -651,7 +651,7 @@ class Trainer:
         self.rt.barrier()
         self._final = (ev, path)
         if not self.rt.is_main:
-            return {"out": str(self.out), "interrupted": interrupted, "checkpoint": str(path), **ev}
+            return {"out": str(self.out), "interrupted": interrupted, "checkpoint": str(path), **(ev or {})}
         self.model = plain
         return finish_run(self, interrupted)
 
