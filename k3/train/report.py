@@ -180,7 +180,7 @@ def _print_report(sm: dict) -> None:
         ("samples that parse", parse),
         ("max loss / running min", f"{sm['spike_ratio']:.2f} (after warm-up)"),
         ("skipped steps", str(sm["skipped_steps"])),
-        ("wall time", format_duration(sm["wall_seconds"]) + " (whole run; fixed costs below)"),
+        ("wall time", format_duration(sm["wall_seconds"]) + " (set-up to summary; fixed costs below)"),
         *((f"  {name}", f"{sec:.1f} s") for name, sec in sm["phases"].items()),
         *(
             [("  of which kernel builds", f"{sm['native_build_seconds']:.1f} s (first use on this machine)")]
