@@ -7,9 +7,13 @@ Sources, by file name:
   * ``*.parquet`` a ``text`` column (one document per row; needs ``pyarrow``);
   * anything else is a text file (one document), unless its extension is an obviously binary one, it
     holds a NUL byte, or it is not valid UTF-8.
-``PATH`` may be one such file or a directory walked recursively (hidden entries skipped). Nothing in the
-data can crash loading: unreadable files, binary files and malformed lines/rows are skipped and counted
-in :class:`CorpusStats`.
+``PATH`` may be one such file or a directory walked recursively (hidden entries skipped). Files that are
+not text (binary extension, a NUL byte, not UTF-8) or cannot be opened are skipped and counted in
+:class:`CorpusStats`. A bad record -- a JSONL line that is not JSON, not an object, without ``"text"`` or
+whose ``"text"`` is not a string; a Parquet row whose ``text`` is not a string; a Parquet file without a
+``text`` column or that pyarrow cannot read -- raises ValueError naming the file, the line (row) and what
+is wrong, unless ``skip_bad`` is set: then it is skipped and counted (``bad_records``). Empty documents
+are dropped and counted (``empty_documents``).
 
 Train/val split: each document has a *key* -- its file path relative to the corpus root, plus
 ``"#<row>"`` for JSONL/Parquet rows -- and goes to validation iff ``sha1(key)`` lands in the lowest
@@ -29,7 +33,7 @@ import json
 import os
 import sysconfig
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 DEFAULT_VAL_PERCENT = 2.0
@@ -45,14 +49,19 @@ _BINARY_EXT = frozenset(
 
 @dataclass
 class CorpusStats:
-    """What loading read and what it skipped (skips never raise)."""
+    """What loading read and what it skipped."""
 
     files_read: int = 0
     files_skipped_binary: int = 0
     files_skipped_unreadable: int = 0
-    lines_skipped_malformed: int = 0
+    lines_skipped_malformed: int = 0  # bad records skipped (skip_bad); without it the first one raises
+    empty_documents: int = 0  # records or files with an empty text (nothing to train on)
     bytes: int = 0  # UTF-8 bytes of the documents kept in the requested split
     documents: int = 0
+
+    @property
+    def bad_records(self) -> int:
+        return self.lines_skipped_malformed
 
 
 @dataclass
@@ -137,27 +146,56 @@ def corpus_fingerprint(
 
 
 def load_corpus(
-    path: str | os.PathLike | None = None, split: str = "train", val_percent: float = DEFAULT_VAL_PERCENT
+    path: str | os.PathLike | None = None,
+    split: str = "train",
+    val_percent: float = DEFAULT_VAL_PERCENT,
+    skip_bad: bool = False,
 ) -> Corpus:
-    """Load the documents of ``split`` ("train", "val" or "all") from ``path`` (``None`` = stdlib)."""
-    _check_args(split, val_percent)
+    """Load the documents of ``split`` ("train", "val" or "all") from ``path`` (``None`` = stdlib).
+    A bad record raises ValueError (file, line, what is wrong) unless ``skip_bad`` (see the module doc)."""
+    return load_splits(path, (split,), val_percent, skip_bad)[split]
+
+
+def load_splits(
+    path: str | os.PathLike | None = None,
+    splits: tuple[str, ...] = ("train", "val"),
+    val_percent: float = DEFAULT_VAL_PERCENT,
+    skip_bad: bool = False,
+) -> dict[str, Corpus]:
+    """{split: Corpus} of several splits in one pass over the files (the file and record counts of each
+    Corpus's stats are those of the whole pass)."""
+    for split in splits:
+        _check_args(split, val_percent)
     root, files = list_files(path)
-    corpus = Corpus(root=root, split=split)
+    stats = CorpusStats()
+    out = {split: Corpus(root=root, split=split) for split in splits}
     for f in files:
         rel = f.relative_to(root).as_posix()
-        for key, text in _read_file(f, rel, corpus.stats):
-            if text and _keep(key, split, val_percent):
-                corpus.documents.append(text)
-                corpus.stats.bytes += len(text.encode("utf-8"))
-    corpus.stats.documents = len(corpus.documents)
-    return corpus
+        for key, text in _read_file(f, rel, stats, skip_bad):
+            if not text:
+                stats.empty_documents += 1
+                continue
+            for split, corpus in out.items():
+                if _keep(key, split, val_percent):
+                    corpus.documents.append(text)
+                    corpus.stats.bytes += len(text.encode("utf-8"))
+    for corpus in out.values():
+        corpus.stats = replace(stats, bytes=corpus.stats.bytes, documents=len(corpus.documents))
+    return out
 
 
-def _read_file(f: Path, rel: str, stats: CorpusStats) -> Iterator[tuple[str, str]]:
+def _bad(stats: CorpusStats, skip_bad: bool, where: str, what: str) -> None:
+    """A bad record at `where` ("file: line N"): ValueError, or counted when skipping."""
+    if not skip_bad:
+        raise ValueError(f"data: {where}: {what} (fix it, or pass --skip-bad to skip and count such records)")
+    stats.lines_skipped_malformed += 1
+
+
+def _read_file(f: Path, rel: str, stats: CorpusStats, skip_bad: bool = False) -> Iterator[tuple[str, str]]:
     """Yield (split key, text) for every document in one file, updating ``stats``."""
     suffix = f.suffix.lower()
     if suffix == ".parquet":
-        yield from _read_parquet(f, rel, stats)
+        yield from _read_parquet(f, rel, stats, skip_bad)
         return
     if suffix in _BINARY_EXT:
         stats.files_skipped_binary += 1
@@ -169,7 +207,7 @@ def _read_file(f: Path, rel: str, stats: CorpusStats) -> Iterator[tuple[str, str
         return
     if suffix == ".jsonl":
         stats.files_read += 1
-        yield from _read_jsonl(data, rel, stats)
+        yield from _read_jsonl(data, f, rel, stats, skip_bad)
         return
     text = _decode_text(data)
     if text is None:
@@ -189,19 +227,37 @@ def _decode_text(data: bytes) -> str | None:
         return None
 
 
-def _read_jsonl(data: bytes, rel: str, stats: CorpusStats) -> Iterator[tuple[str, str]]:
+def _read_jsonl(
+    data: bytes, f: Path, rel: str, stats: CorpusStats, skip_bad: bool
+) -> Iterator[tuple[str, str]]:
     for row, line in enumerate(data.split(b"\n")):
         if not line.strip():
             continue
+        where = f"{f}: line {row + 1}"
         try:
             obj = json.loads(line.decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError):
-            obj = None
-        text = obj.get("text") if isinstance(obj, dict) else None
+        except UnicodeDecodeError as e:
+            _bad(stats, skip_bad, where, f"not UTF-8 ({e.reason} at byte {e.start})")
+            continue
+        except json.JSONDecodeError as e:
+            _bad(stats, skip_bad, where, f"not JSON ({e.msg} at column {e.colno})")
+            continue
+        if not isinstance(obj, dict):
+            _bad(stats, skip_bad, where, f"a JSON {type(obj).__name__}, not an object with a 'text' field")
+            continue
+        if "text" not in obj:
+            _bad(stats, skip_bad, where, f"no 'text' field (keys: {', '.join(sorted(obj)[:8]) or 'none'})")
+            continue
+        text = obj["text"]
         if not isinstance(text, str):
-            stats.lines_skipped_malformed += 1
+            _bad(stats, skip_bad, where, f"'text' is {_json_type(text)}, not a string")
             continue
         yield f"{rel}#{row}", text
+
+
+def _json_type(value) -> str:
+    names = {bool: "a boolean", int: "a number", float: "a number", list: "a list", dict: "an object"}
+    return "null" if value is None else names.get(type(value), type(value).__name__)
 
 
 def _import_pyarrow_parquet():
@@ -212,14 +268,19 @@ def _import_pyarrow_parquet():
     return pq
 
 
-def _read_parquet(f: Path, rel: str, stats: CorpusStats) -> Iterator[tuple[str, str]]:
+def _read_parquet(f: Path, rel: str, stats: CorpusStats, skip_bad: bool) -> Iterator[tuple[str, str]]:
     pq = _import_pyarrow_parquet()
     try:
         pf = pq.ParquetFile(f)
         if "text" not in pf.schema_arrow.names:
-            raise ValueError("no 'text' column")
+            raise ValueError(f"no 'text' column (columns: {', '.join(pf.schema_arrow.names)})")
         batches = [b.column(0).to_pylist() for b in pf.iter_batches(columns=["text"])]
-    except Exception:  # any pyarrow/IO failure means an unreadable file, never a crash
+    except Exception as e:  # any pyarrow / IO failure: the whole file is one bad record
+        if not skip_bad:
+            raise ValueError(
+                f"data: {f}: not a readable Parquet file with a 'text' column ({e}) "
+                "(fix it, or pass --skip-bad to skip and count such files)"
+            ) from e
         stats.files_skipped_unreadable += 1
         return
     stats.files_read += 1
@@ -229,5 +290,5 @@ def _read_parquet(f: Path, rel: str, stats: CorpusStats) -> Iterator[tuple[str, 
             if isinstance(text, str):
                 yield f"{rel}#{row}", text
             else:
-                stats.lines_skipped_malformed += 1
+                _bad(stats, skip_bad, f"{f}: row {row + 1}", f"'text' is {_json_type(text)}, not a string")
             row += 1

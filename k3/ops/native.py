@@ -21,6 +21,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+import time
 import warnings
 from pathlib import Path
 
@@ -41,6 +42,7 @@ _TEAM_KERNELS = (
 EXTRA_FLAGS = {name: ("-fopenmp",) for name in _TEAM_KERNELS}
 _lock = threading.Lock()
 _libs: dict[str, ctypes.CDLL | None] = {}
+build_seconds = 0.0  # spent compiling kernels in this process (a run's fixed cost, k3.train.trainer)
 
 
 def enabled() -> bool:
@@ -145,7 +147,10 @@ def _build_and_load(name: str) -> ctypes.CDLL | None:
     flags = (*FLAGS, *EXTRA_FLAGS.get(name, ()))
     path = _cache_dir() / _key(source, cc, flags) / f"lib{name}.so"
     if not _intact(path):
+        t0 = time.perf_counter()
         error = _compile(cc, source, path, flags)
+        global build_seconds
+        build_seconds += time.perf_counter() - t0
         if error:
             return _unavailable(name, error)
     unsafe = _unsafe_folder(path)

@@ -19,6 +19,7 @@ from collections.abc import Callable
 import numpy as np
 
 from k3.data import TokenizedDocs
+from k3.data.eval_set import IGNORE_INDEX, EvalSet
 
 COMPRESSORS: dict[str, Callable[[bytes], bytes]] = {
     "gzip -9": lambda b: gzip.compress(b, compresslevel=9, mtime=0),
@@ -46,3 +47,18 @@ def eval_set_bytes(docs: TokenizedDocs, order: np.ndarray, tokenizer, token_byte
             "the compressors would not see the scored bytes"
         )
     return data
+
+
+def eval_rows_bytes(es: EvalSet, rows: int, tokenizer) -> bytes:
+    """UTF-8 text of the targets of the first `rows` rows of `es` (what an evaluation bounded to them
+    scores; each EOS ends a document and stands for no bytes). The cut at the last row may split a
+    character whose bytes span two tokens: its decoding then differs from the counted bytes by at most
+    three bytes, nothing next to the thousands a bound leaves."""
+    labels = es.labels[:rows].flatten()
+    ids = labels[labels != IGNORE_INDEX].tolist()
+    pieces, start = [], 0
+    for i, t in enumerate([*ids, tokenizer.eos_id]):
+        if t == tokenizer.eos_id:
+            pieces.append(tokenizer.decode(ids[start:i]).encode("utf-8"))
+            start = i + 1
+    return b"".join(pieces)

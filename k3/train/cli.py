@@ -45,7 +45,12 @@ _TRAIN_FLAGS = {  # flag -> (TrainConfig field, type, help)
     "--warmup-steps": ("warmup_steps", int, "linear warm-up steps"),
     "--grad-clip": ("grad_clip", float, "global grad-norm clip (0: off)"),
     "--eval-every": ("eval_every", int, "evaluate every N steps (0: only at the end)"),
-    "--eval-tokens": ("eval_tokens", int, "validation tokens per evaluation"),
+    "--eval-tokens": ("eval_tokens", int, "validation tokens per evaluation during training"),
+    "--final-eval-tokens": (
+        "final_eval_tokens",
+        int,
+        "validation tokens of the final evaluation (default: the whole split; 0: no final evaluation)",
+    ),
     "--save-every": ("save_every", int, "checkpoint every N steps (0: only at the end)"),
     "--keep": ("keep", int, "training checkpoints to keep"),
     "--log-every": ("log_every", int, "progress line every N steps when stderr is not a terminal"),
@@ -77,6 +82,13 @@ def _train_args(p: argparse.ArgumentParser) -> None:
         choices=("text", "vision"),
         default=None,
         help="vision: the image-text task on a VL preset (k3-tiny-vl; k3.vision.train_vl, docs/vision.md)",
+    )
+    p.add_argument(
+        "--skip-bad",
+        action="store_true",
+        default=None,
+        help="skip and count bad records of --data (a line that is not JSON, no string 'text') "
+        "instead of stopping at the first one",
     )
     p.add_argument("--bf16", action="store_true", default=None, help="bf16 autocast for the forward")
     p.add_argument("--no-per-head", action="store_true", help="whole-matrix Muon (no per-head split)")
@@ -115,6 +127,8 @@ def _explicit_changes(args: argparse.Namespace) -> dict:
         changes["minutes"] = None
     if args.bf16:
         changes["bf16"] = True
+    if args.skip_bad:
+        changes["skip_bad"] = True
     if args.no_per_head:
         changes["per_head"] = False
     if args.no_qk_clip:
@@ -205,7 +219,9 @@ def _eval_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("dir", help="checkpoint directory (a run directory or checkpoints/step-N) or .gguf file")
     p.add_argument("--data", help="corpus whose validation split to use (default: the run's, else stdlib)")
     p.add_argument("--seq-len", type=int, help="default: the run's (else 256)")
-    p.add_argument("--batch-size", type=int, help="default: the run's (else 8)")
+    p.add_argument(
+        "--batch-size", type=int, help="rows per forward (default: the run's final evaluation's, ~8k tokens)"
+    )
     p.add_argument("--tokens", type=int, help="validation tokens to score (default: all of the split)")
     p.add_argument(
         "--parse",
@@ -261,24 +277,30 @@ def run_eval(args: argparse.Namespace) -> int:
     docs = tokenize_documents(tok, load_corpus(data, "val", val_percent).documents)
     if docs.num_docs == 0:
         raise ValueError(f"data: the validation split of {data or 'the stdlib'} is empty")
+    from k3.data.eval_set import build_eval_set
+    from k3.train.evaluate import eval_batch_rows
+
     run = tc or TrainConfig()  # with the run's settings the numbers equal its final evaluation
-    seq_len, batch = args.seq_len or run.seq_len, args.batch_size or run.batch_size
+    seq_len = args.seq_len or run.seq_len
+    es = build_eval_set(docs, seq_len, tok.eos_id)
+    rows = es.rows if not args.tokens else min(es.rows, -(-args.tokens // seq_len))
+    batch = args.batch_size or eval_batch_rows(seq_len, run.batch_size, 1, rows)  # the final one's batches
     res = evaluate(
         model,
-        docs,
+        es,
         token_byte_lengths(tok),
         tok.eos_id,
         seq_len=seq_len,
         batch_size=batch,
         max_tokens=args.tokens,  # None: the whole split, as the run's final evaluation
         bf16=run.bf16,
+        inference=True,
     )
     res["data"] = data or "stdlib"
     if not args.tokens:  # the whole split: the compressors on exactly the scored bytes
-        from k3.data.eval_set import build_eval_set
         from k3.train.baselines import compressor_bpb, eval_set_bytes
 
-        order = build_eval_set(docs, seq_len, tok.eos_id).order
+        order = es.order
         res["baselines_bpb"] = compressor_bpb(eval_set_bytes(docs, order, tok, token_byte_lengths(tok)))
     if args.parse:
         from k3.train import samples as smp

@@ -33,6 +33,7 @@ class TrainConfig:
     data: str | None = None  # None: the Python standard library
     vocab_size: int | None = None  # None: the preset's vocab_size
     val_percent: float = 2.0
+    skip_bad: bool = False  # skip and count bad records of `data` (k3.data.corpus) instead of stopping
     # length of the run
     steps: int | None = None
     minutes: float | None = 10.0
@@ -62,7 +63,8 @@ class TrainConfig:
     seed: int = 0
     out: str | None = None  # None: runs/<preset>-<timestamp>
     eval_every: int | None = None  # steps; 0: only at the end; None: 4 evaluations spread over the run
-    eval_tokens: int = 16384  # validation tokens per evaluation during training (the final one: all of them)
+    eval_tokens: int = 16384  # validation tokens per evaluation during training
+    final_eval_tokens: int | None = None  # the final evaluation's targets; None: the whole split, 0: none
     save_every: int = 200  # steps; 0: only at the end
     keep: int = 2  # training checkpoints kept
     log_every: int = 10
@@ -92,10 +94,17 @@ class TrainConfig:
         ):
             v = getattr(self, key)
             check(isinstance(v, int) and v >= (0 if key == "warmup_steps" else 1), key, f"bad value {v!r}")
-        for key in ("eval_every", "save_every", "eval_tokens", "sample_tokens", "parse_samples"):
+        for key in (
+            "eval_every",
+            "save_every",
+            "eval_tokens",
+            "sample_tokens",
+            "parse_samples",
+            "final_eval_tokens",
+        ):
             v = getattr(self, key)
             check(
-                (v is None and key == "eval_every") or (isinstance(v, int) and v >= 0),
+                (v is None and key in ("eval_every", "final_eval_tokens")) or (isinstance(v, int) and v >= 0),
                 key,
                 "must be an int >= 0",
             )

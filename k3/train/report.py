@@ -23,7 +23,6 @@ from k3.train import samples as smp
 from k3.train.metrics import (
     flops_per_token,
     format_duration,
-    plot_losses,
     read_metrics,
     spike_ratio,
     summary_table,
@@ -60,9 +59,9 @@ def _mfu(trainer) -> dict:
 
 def _samples(trainer) -> dict:
     """Printed continuations and the parse fraction of more of them, all at `sample_temperature` (greedy
-    decoding of a model this small loops on one line; k3.train.samples)."""
+    decoding of a model this small loops on one line; k3.train.samples, through the inference engine)."""
     tc = trainer.tc
-    out = {"samples": [], "parse_fraction": None, "parsed_blocks": 0, "sampled_blocks": 0}
+    out = {"samples": [], "parse_fraction": None, "parsed_blocks": 0, "sampled_blocks": 0, "sampled_texts": 0}
     if not tc.sample_tokens:
         return out
     prompts = smp.PROMPTS if tc.sample_prompt is None else (tc.sample_prompt,)
@@ -77,18 +76,21 @@ def _samples(trainer) -> dict:
             tc.sample_temperature, smp.TOP_K, tc.seed,
         )  # fmt: skip
         out["parse_fraction"], out["parsed_blocks"], out["sampled_blocks"] = smp.parse_fraction(sampled)
+        out["sampled_texts"] = len(sampled)
     return out
 
 
 def finish_run(trainer, interrupted: bool) -> dict:
     """Final eval + save + export + samples; prints the summary table; returns the summary dict."""
     tc, s = trainer.tc, trainer.state
-    ev = trainer.run_eval(final=True)
-    path = trainer.save()
-    export_run_dir(path, trainer.out)
-    t0 = time.perf_counter()
-    sampled = _samples(trainer)
-    sample_seconds = time.perf_counter() - t0
+    ev = trainer.run_eval(final=True) or {}  # {}: no final evaluation (final_eval_tokens 0)
+    with trainer.phase("checkpoint") as note:
+        path = trainer.save()
+        export_run_dir(path, trainer.out)
+        note.append(str(path))
+    with trainer.phase("samples") as note:
+        sampled = _samples(trainer)
+        note.append(f"{len(sampled['samples'])} shown + {sampled['sampled_texts']} parse-checked, engine")
     perf = _mfu(trainer)
     n_params = sum(p.numel() for p in trainer.model.parameters())
     train = [r for r in read_metrics(trainer.log.path) if r["kind"] == "train"]
@@ -105,13 +107,14 @@ def finish_run(trainer, interrupted: bool) -> dict:
         "loop_seconds": getattr(trainer, "loop_seconds", 0.0),
         "data_seconds": trainer.data_seconds,
         "eval_seconds": ev.get("seconds", 0.0),
-        "sample_seconds": sample_seconds,
-        "val_loss": ev["val_loss"],
-        "val_bpb": ev["val_bpb"],
-        "val_tokens": ev["tokens"],
-        "val_bytes": ev["bytes"],
-        "bytes_per_token": ev["bytes"] / max(ev["tokens"], 1),
-        "unigram_bpb": ev["unigram_bpb"],
+        "sample_seconds": trainer.phases["samples"],
+        "val_loss": ev.get("val_loss"),
+        "val_bpb": ev.get("val_bpb"),
+        "val_tokens": ev.get("tokens", 0),
+        "val_bytes": ev.get("bytes", 0),
+        "val_tokens_total": int((trainer.eval_set.labels >= 0).sum()),  # the whole split's targets
+        "bytes_per_token": ev["bytes"] / max(ev["tokens"], 1) if ev else None,
+        "unigram_bpb": ev.get("unigram_bpb"),
         "baselines_bpb": dict(trainer.baselines),
         "spike_ratio": spike_ratio([r["loss"] for r in train], tc.warmup_steps),
         "sample": "\n\n".join(sampled["samples"]),
@@ -119,19 +122,42 @@ def finish_run(trainer, interrupted: bool) -> dict:
         "checkpoint": str(path),
         **perf,
     }
+    trainer.plot()
+    summary["phases"] = dict(trainer.phases)  # fixed costs, seconds (k3.train.trainer)
+    summary["native_build_seconds"] = trainer.native_build_seconds  # within the phases
+    summary["wall_seconds"] = time.perf_counter() - trainer.started
     (trainer.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    plot_losses(
-        trainer.log.path, trainer.out / "loss.png", f"{tc.preset} ({trainer.out.name})", tc.warmup_steps
-    )
     if not trainer.quiet:
         _print_report(summary)
     return summary
 
 
-def _print_report(sm: dict) -> None:
+def _eval_rows(sm: dict) -> list[tuple[str, str]]:
+    """The final evaluation's rows of the table: bits per byte beside the baselines on the same bytes."""
+    if sm["val_bpb"] is None:
+        return [("val bits / byte", "-- (no final evaluation: --final-eval-tokens 0)")]
     base = sm["baselines_bpb"]
     best = min((v, k) for k, v in base.items() if k != "unigram")
     verdict = "beats" if sm["val_bpb"] < best[0] else "does not beat"
+    whole = sm["val_tokens"] == sm["val_tokens_total"]
+    return [
+        ("val loss", f"{sm['val_loss']:.4f} nats/token"),
+        ("val bits / byte", f"{sm['val_bpb']:.4f} ({verdict} {best[1]})"),
+        *((f"  {name} bits / byte", f"{v:.4f}") for name, v in base.items()),
+        (
+            "val bytes",
+            f"{sm['val_bytes']:,} "
+            + (
+                "(every validation file, never trained on)"
+                if whole
+                else f"(the first {sm['val_tokens']:,} tokens: --final-eval-tokens)"
+            ),
+        ),
+        ("bytes / token", f"{sm['bytes_per_token']:.2f}"),
+    ]
+
+
+def _print_report(sm: dict) -> None:
     parse = (
         f"{100 * sm['parse_fraction']:.0f} % ({sm['parsed_blocks']} of {sm['sampled_blocks']} blocks)"
         if sm["parse_fraction"] is not None
@@ -150,14 +176,17 @@ def _print_report(sm: dict) -> None:
         ("FLOPs / token", f"{sm['flops_per_token'] / 1e6:.1f} M"),
         ("matmul peak", f"{sm['peak_flops'] / 1e9:.1f} GFLOP/s (measured)"),
         ("MFU", f"{100 * sm['mfu']:.1f} %"),
-        ("val loss", f"{sm['val_loss']:.4f} nats/token"),
-        ("val bits / byte", f"{sm['val_bpb']:.4f} ({verdict} {best[1]})"),
-        *((f"  {name} bits / byte", f"{v:.4f}") for name, v in base.items()),
-        ("val bytes", f"{sm['val_bytes']:,} (every validation file, never trained on)"),
-        ("bytes / token", f"{sm['bytes_per_token']:.2f}"),
+        *_eval_rows(sm),
         ("samples that parse", parse),
         ("max loss / running min", f"{sm['spike_ratio']:.2f} (after warm-up)"),
         ("skipped steps", str(sm["skipped_steps"])),
+        ("wall time", format_duration(sm["wall_seconds"]) + " (set-up to summary; fixed costs below)"),
+        *((f"  {name}", f"{sec:.1f} s") for name, sec in sm["phases"].items()),
+        *(
+            [("  of which kernel builds", f"{sm['native_build_seconds']:.1f} s (first use on this machine)")]
+            if sm["native_build_seconds"] >= 0.05
+            else []
+        ),
         ("output", sm["out"]),
     ]
     out = sys.stdout

@@ -1,8 +1,12 @@
 """Does it write Python? Continuations of a few prompts and the share of their top-level blocks that parse.
 
-`sample_texts` continues each prompt `rows` times in one batched generation (k3.model.generate) at a low
-temperature, from the start of a file (EOS first) and with the prompt's trailing space healed (its first
-token must start with that space, as the BPE glues spaces to the next word).
+`sample_texts` continues each prompt `rows` times at a low temperature, from the start of a file (EOS
+first) and with the prompt's trailing space healed (its first token must start with that space, as the
+BPE glues spaces to the next word). It runs every continuation through the inference engine (k3.infer:
+continuous batching, the native decode step, a paged cache); `sample_texts_reference`, with the same
+signature, is the eager reference (k3.model.generate, one batched forward per token). Greedy decoding
+gives the same texts through both; with a temperature each draws from the same distribution, with
+different random streams.
 
 `top_level_blocks` cuts a text into module-level statements: a block starts at a line that begins in
 column 0 outside any triple-quoted string, except lines that continue the block before (`else`, `elif`,
@@ -31,6 +35,7 @@ PROMPTS = ("def ", "class ", "import ")
 PARSE_PROMPTS = ("def ", "class ", "import ", "from ", "@", "if ")
 PARSE_TOKENS = 192  # tokens per parse-check continuation
 TOP_K = 40
+MAX_BATCH = 64  # engine rows decoded together (the native step's rows per call)
 _CONTINUES = re.compile(r"(else|elif|except|finally|case)\b|[)\]}]")
 _TRIPLE = re.compile(r'"""|\'\'\'')
 _OPEN_ENDS = tuple(",([{+-*/%|&=\\")  # a line ending so inside brackets goes on in the next line
@@ -54,8 +59,96 @@ def _starting_with(tokenizer, vocab_size: int, tail: str) -> torch.Tensor:
     return ok
 
 
+def _healed_prompts(
+    model, tokenizer, prompt, rows, temperature, top_k, gen
+) -> tuple[list[int], torch.Tensor]:
+    """(ids of the prompt's head, [rows, T] the head plus the healed first token of every row, if any).
+    The first token comes from one forward of the head, masked to the ids that start with the cut
+    whitespace and picked with `gen` (`pick_next`), the same for both paths."""
+    head, tail = _prompt_ids(tokenizer, prompt)
+    ids = torch.tensor([head] * rows)
+    if tail:
+        logits = model(ids[:1]).logits[:, -1].float().expand(rows, -1)
+        allowed = _starting_with(tokenizer, logits.shape[-1], tail)
+        first = pick_next(logits.masked_fill(~allowed, float("-inf")), temperature, top_k, gen)
+        ids = torch.cat([ids, first[:, None]], 1)
+    return head, ids
+
+
+def _text(tokenizer, prompt: str, new: list[int]) -> tuple[str, bool]:
+    """(prompt without its trailing whitespace + the decoded new ids up to EOS, whether EOS came)."""
+    finished = tokenizer.eos_id in new
+    new = new[: new.index(tokenizer.eos_id)] if finished else new
+    return prompt.rstrip() + tokenizer.decode(new), finished
+
+
 @torch.no_grad()
 def sample_texts(
+    model: nn.Module,
+    tokenizer,
+    prompts: tuple[str, ...],
+    rows: int,
+    max_tokens: int,
+    temperature: float,
+    top_k: int | None,
+    seed: int,
+) -> list[tuple[str, bool]]:
+    """`sample_texts_reference` through k3.infer's Engine: all rows of all prompts in one continuous
+    batch (decode rows through the native step where the model qualifies). Each row samples with its
+    own generator, seeded from `seed`, so a text does not depend on what else is in the batch."""
+    from k3.infer.config import EngineConfig
+    from k3.infer.engine import Engine
+    from k3.infer.sequence import SamplingParams
+
+    if max_tokens <= 0:
+        return [(p.rstrip(), False) for p in prompts for _ in range(rows)]
+    gen = torch.Generator().manual_seed(seed)
+    was_training = model.training
+    model.eval()
+    try:
+        heads, starts = [], []
+        for prompt in prompts:
+            head, ids = _healed_prompts(model, tokenizer, prompt, rows, temperature, top_k, gen)
+            heads += [head] * rows
+            starts += ids.tolist()
+        page = 64
+        longest = max(len(s) for s in starts) + max_tokens + 1
+        pages = -(-longest // page)
+        n = len(starts)
+        config = EngineConfig(
+            page_size=page,
+            prefix_unit=page,
+            num_pages=pages * min(n, MAX_BATCH),
+            max_num_seqs=min(n, MAX_BATCH),
+            max_model_len=pages * page,
+            enable_prefix_cache=False,
+            snapshot_budget_bytes=0,
+            capture_snapshots=False,
+            keep_freed_memory=False,  # process-wide: the training process's allocator stays as it was
+        )
+        engine = Engine(model, config, tokenizer=None, eos_token_id=tokenizer.eos_id)
+        # row i's seed depends on `seed` and i alone: a text does not change with the other prompts
+        seeds = torch.randint(0, 2**62, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+        params = [
+            SamplingParams(
+                max_tokens=max_tokens - (len(s) - len(h)),
+                temperature=temperature,
+                top_k=top_k or 0,
+                seed=sd,
+            )
+            for s, h, sd in zip(starts, heads, seeds, strict=True)
+        ]
+        seqs = engine.generate(starts, params)
+    finally:
+        model.train(was_training)
+    out = []
+    for i, (seq, head) in enumerate(zip(seqs, heads, strict=True)):
+        out.append(_text(tokenizer, prompts[i // rows], seq.tokens[len(head) :]))
+    return out
+
+
+@torch.no_grad()
+def sample_texts_reference(
     model: nn.Module,
     tokenizer,
     prompts: tuple[str, ...],
@@ -68,19 +161,15 @@ def sample_texts(
     """(text, finished) for `rows` continuations of every prompt, prompt by prompt; each text starts
     with its prompt; finished means the model ended the document (EOS) within `max_tokens` new tokens.
     Temperature 0 is greedy."""
+    if max_tokens <= 0:
+        return [(p.rstrip(), False) for p in prompts for _ in range(rows)]
     gen = torch.Generator().manual_seed(seed)
     was_training = model.training
     model.eval()
     out = []
     try:
         for prompt in prompts:
-            head, tail = _prompt_ids(tokenizer, prompt)
-            ids = torch.tensor([head] * rows)
-            if tail and max_tokens > 0:  # the first token, among those that start with the cut whitespace
-                logits = model(ids).logits[:, -1].float()
-                allowed = _starting_with(tokenizer, logits.shape[-1], tail)
-                first = pick_next(logits.masked_fill(~allowed, float("-inf")), temperature, top_k, gen)
-                ids = torch.cat([ids, first[:, None]], 1)
+            head, ids = _healed_prompts(model, tokenizer, prompt, rows, temperature, top_k, gen)
             res = generate(
                 model,
                 ids,
@@ -90,11 +179,7 @@ def sample_texts(
                 eos_token_id=tokenizer.eos_id,
                 generator=gen,
             )
-            for row in res.tolist():
-                new = row[len(head) :]
-                finished = tokenizer.eos_id in new
-                new = new[: new.index(tokenizer.eos_id)] if finished else new
-                out.append((prompt.rstrip() + tokenizer.decode(new), finished))
+            out += [_text(tokenizer, prompt, row[len(head) :]) for row in res.tolist()]
     finally:
         model.train(was_training)
     return out

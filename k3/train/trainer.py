@@ -5,6 +5,11 @@
     loop      lr(step) -> train_step -> NaN streak check -> metrics / progress -> eval -> save
     finish    final eval, checkpoint, export (run dir = loadable checkpoint + tokenizer), sample, summary
 
+Fixed costs: every phase outside the steps (data, baselines, model, matmul peak, evals during the loop,
+final eval, checkpoint, samples, plots) is timed into `Trainer.phases` {name: seconds}, printed as it
+ends and listed in the summary, with the part of them spent compiling C kernels on their first use
+(`native_build_seconds`; once per machine, they are cached). Builds inside a step count as train time.
+
 Length: `steps`, or `minutes` of training loop (periodic evals included): the step count is fixed
 once the first `warmup` steps have been timed, so the schedule is a pure function of the step and a
 resumed run continues to the same total. Learning rates are `base_lr * schedule(step)` set on every
@@ -26,7 +31,8 @@ import math
 import random
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from datetime import datetime
 from pathlib import Path
 
@@ -34,16 +40,17 @@ import numpy as np
 import torch
 
 from k3.config import K3Config
-from k3.data import ShuffledRows, prepare_data
+from k3.data import ShuffledRows, describe_data, prepare_data
 from k3.data.eval_set import IGNORE_INDEX, build_eval_set
 from k3.model.init import init_weights
 from k3.model.transformer import K3ForCausalLM
+from k3.ops import native
 from k3.optim import warmup_cosine, wsd
 from k3.quant.qat import maybe_enable_qat
 from k3.train import checkpointing as ckpt
-from k3.train.baselines import compressor_bpb, eval_set_bytes
+from k3.train.baselines import compressor_bpb, eval_rows_bytes, eval_set_bytes
 from k3.train.config import TrainConfig
-from k3.train.evaluate import evaluate, token_byte_lengths, unigram_log_probs
+from k3.train.evaluate import eval_batch_rows, evaluate, token_byte_lengths, unigram_log_probs
 from k3.train.metrics import (
     MetricsLog,
     ProgressBar,
@@ -96,6 +103,7 @@ RESUME_OVERRIDABLE = (
     "steps",
     "minutes",
     "eval_every",
+    "final_eval_tokens",
     "save_every",
     "keep",
     "log_every",
@@ -172,6 +180,9 @@ class Trainer:
     ):
         """`tc` is the run's config; with `resume`, build it with `resume_config` (the saved one).
         `parallel`: k3.parallel.runtime.ParallelOptions (the ep size); see make_runtime."""
+        self.started = time.perf_counter()
+        self.phases: dict[str, float] = {}  # fixed costs: phase -> seconds (see the module doc)
+        self.native_build_seconds = 0.0  # the part of the phases spent compiling C kernels
         self.resume_from = ckpt.resolve_checkpoint(resume) if resume else None
         self.rt = make_runtime(parallel, self.resume_from)
         quiet = quiet or not self.rt.is_main
@@ -212,10 +223,14 @@ class Trainer:
             raise ValueError(
                 f"model_transforms: {list(tc.model_transforms)} are not supported distributed yet"
             )
-        t0 = time.perf_counter()
-        with rt.main_first():  # rank 0 trains / caches the tokenizer and tokens, the others then load them
-            self.data = prepare_data(tc.data, self.config.vocab_size, tc.val_percent)
-        self.data_seconds = time.perf_counter() - t0
+        with self.phase("data") as note:
+            with rt.main_first():  # rank 0 trains / caches the tokenizer and tokens, the others load them
+                self.data = prepare_data(
+                    tc.data, self.config.vocab_size, tc.val_percent, skip_bad=tc.skip_bad
+                )
+            note.append("tokenizer and tokens " + ("cached" if self.data.cached else "built, now cached"))
+        self.data_seconds = self.phases["data"]
+        self._say("corpus: " + describe_data(self.data.stats, tc.data))
         self.tokenizer = self.data.tokenizer
         self.token_bytes = token_byte_lengths(self.tokenizer)
         self._token_bytes_t = torch.from_numpy(self.token_bytes)
@@ -225,8 +240,9 @@ class Trainer:
                 f"data: the validation split of {tc.data or 'the stdlib'} is empty; add documents"
             )
         self.eval_set = build_eval_set(self.data.val, tc.seq_len, self.tokenizer.eos_id)
-        self.model = rt.prepare_model(self._build_model(), capacity_factor=tc.capacity_factor)
-        self.optimizers = build_optimizers(self.model, **tc.optimizer_options(), muon_class=rt.muon_class)
+        with self.phase("model"):
+            self.model = rt.prepare_model(self._build_model(), capacity_factor=tc.capacity_factor)
+            self.optimizers = build_optimizers(self.model, **tc.optimizer_options(), muon_class=rt.muon_class)
         self.loader = ShuffledRows(  # rows in random order: a batch spans many files (k3/data/rows.py)
             self.data.train,
             tc.seq_len,
@@ -254,7 +270,9 @@ class Trainer:
             self._resume()
         if rt.is_main:
             (self.out / "train_config.json").write_text(tc.to_json() + "\n")
-        self.baselines = self._baselines()
+        with self.phase("baselines") as note:
+            self.baselines = self._baselines()
+            note.append(", ".join(self.baselines) or "none: no final evaluation")
         self._say(f"parallel: {rt.describe()}" if rt.distributed else "")
 
     def _build_model(self) -> torch.nn.Module:
@@ -290,17 +308,39 @@ class Trainer:
 
     def _baselines(self) -> dict[str, float]:
         """Bits per byte of the compressors and of the unigram model on exactly the bytes the final
-        evaluation scores (k3.train.baselines); logged once as a `baselines` event for loss.png."""
-        es = self.eval_set
-        data = eval_set_bytes(self.data.val, es.order, self.tokenizer, self.token_bytes)
+        evaluation scores (k3.train.baselines; {} without a final evaluation); logged once as a
+        `baselines` event for loss.png."""
+        es, limit = self.eval_set, self.tc.final_eval_tokens
+        if limit == 0:
+            return {}
+        if limit is None or -(-limit // es.seq_len) >= es.rows:
+            data = eval_set_bytes(self.data.val, es.order, self.tokenizer, self.token_bytes)
+            labels = es.labels[es.labels != IGNORE_INDEX].numpy()
+        else:
+            rows = -(-limit // es.seq_len)
+            data = eval_rows_bytes(es, rows, self.tokenizer)
+            labels = es.labels[:rows][es.labels[:rows] != IGNORE_INDEX].numpy()
         out = compressor_bpb(data)
-        labels = es.labels[es.labels != IGNORE_INDEX].numpy()
         out["unigram"] = float(-self.unigram_logp[labels].sum() / (math.log(2) * len(data)))
         if not any(r.get("event") == "baselines" for r in read_metrics(self.log.path)):
             self.log.write("event", step=0, event="baselines", bytes=len(data), bpb=out)
         return out
 
     # ---- helpers ----------------------------------------------------------------------------------
+    @contextmanager
+    def phase(self, name: str) -> Iterator[list[str]]:
+        """Time a fixed cost: its seconds are added to `phases[name]` and printed when it ends, with
+        whatever the body appended to the yielded list as details."""
+        notes: list[str] = []
+        t0, built = time.perf_counter(), native.build_seconds
+        yield notes
+        dt, built = time.perf_counter() - t0, native.build_seconds - built
+        self.phases[name] = self.phases.get(name, 0.0) + dt
+        if built >= 0.05:  # kernels compile on first use into the cache (k3.ops.native)
+            notes.append(f"{built:.1f} s of it compiling native kernels")
+            self.native_build_seconds += built
+        self._say(f"{name}: {dt:.1f} s" + (f" ({'; '.join(notes)})" if notes else ""))
+
     def _say(self, text: str) -> None:
         if self.quiet or not text:
             return
@@ -339,33 +379,52 @@ class Trainer:
         self.log.write("event", step=self.state["step"], event="checkpoint", path=str(path))
         return path
 
-    def run_eval(self, final: bool = False) -> dict:
-        """Score the fixed evaluation set: its first `eval_tokens` targets during training, all of it
-        (every validation byte, the compressors' input) for the `final` evaluation."""
+    def run_eval(self, final: bool = False) -> dict | None:
+        """Score the fixed evaluation set: its first `eval_tokens` targets during training; for the
+        `final` evaluation its first `final_eval_tokens` (None: all of it, every validation byte, the
+        compressors' input; 0: no final evaluation, returns None), in inference mode and large batches."""
         if self._final is not None:
             return self._final[0]
         tc = self.tc
+        if final and tc.final_eval_tokens == 0:
+            return None
         t0 = time.perf_counter()
-        res = evaluate(
-            self.model,
-            self.eval_set,
-            self.token_bytes,
-            self.tokenizer.eos_id,
-            seq_len=tc.seq_len,
-            batch_size=tc.batch_size,
-            max_tokens=None if final else tc.eval_tokens,
-            bf16=tc.bf16,
-            unigram_logp=self.unigram_logp,
-            runtime=self.rt,
-        )
-        res["seconds"] = time.perf_counter() - t0
-        self.log.write("eval", step=self.state["step"], final=final, **res)
-        self._say(f"step {self.state['step']}: val loss {res['val_loss']:.4f}  val bpb {res['val_bpb']:.4f}")
-        if self.rt.is_main:
-            plot_losses(
-                self.log.path, self.out / "loss.png", f"{tc.preset} ({self.out.name})", tc.warmup_steps
+        with self.phase("final eval" if final else "evals") as note:
+            res = evaluate(
+                self.model,
+                self.eval_set,
+                self.token_bytes,
+                self.tokenizer.eos_id,
+                seq_len=tc.seq_len,
+                batch_size=self._final_eval_rows() if final else tc.batch_size,
+                max_tokens=tc.final_eval_tokens if final else tc.eval_tokens,
+                bf16=tc.bf16,
+                unigram_logp=self.unigram_logp,
+                runtime=self.rt,
+                inference=final,
             )
+            res["seconds"] = time.perf_counter() - t0
+            note.append(
+                f"step {self.state['step']}, {res['tokens']:,} tokens: "
+                f"val loss {res['val_loss']:.4f}, val bpb {res['val_bpb']:.4f}"
+            )
+        self.log.write("eval", step=self.state["step"], final=final, **res)
+        if self.rt.is_main and not final:  # the end of the run draws the final plot
+            self.plot()
         return res
+
+    def _final_eval_rows(self) -> int:
+        """Rows per forward of the final evaluation (k3.train.evaluate.eval_batch_rows)."""
+        tc, es = self.tc, self.eval_set
+        rows = es.rows if not tc.final_eval_tokens else min(es.rows, -(-tc.final_eval_tokens // es.seq_len))
+        return eval_batch_rows(tc.seq_len, tc.batch_size, self.rt.world_size, rows)
+
+    def plot(self) -> None:
+        """Redraw loss.png from metrics.jsonl (a fixed cost: the "plots" phase)."""
+        tc = self.tc
+        t0 = time.perf_counter()
+        plot_losses(self.log.path, self.out / "loss.png", f"{tc.preset} ({self.out.name})", tc.warmup_steps)
+        self.phases["plots"] = self.phases.get("plots", 0.0) + time.perf_counter() - t0
 
     # ---- loop -------------------------------------------------------------------------------------
     def _fix_total(self, step_times: list[float], deadline: float) -> None:
@@ -565,7 +624,8 @@ class Trainer:
         previous = signal.signal(signal.SIGINT, self._on_sigint) if _main_thread() else None
         try:
             try:
-                self.peak = self._choose_threads() if measure_peak else 0.0
+                with self.phase("matmul peak"):
+                    self.peak = self._choose_threads() if measure_peak else 0.0
                 self._loop()
             finally:
                 if previous is not None:
@@ -591,7 +651,7 @@ class Trainer:
         self.rt.barrier()
         self._final = (ev, path)
         if not self.rt.is_main:
-            return {"out": str(self.out), "interrupted": interrupted, "checkpoint": str(path), **ev}
+            return {"out": str(self.out), "interrupted": interrupted, "checkpoint": str(path), **(ev or {})}
         self.model = plain
         return finish_run(self, interrupted)
 

@@ -3,6 +3,7 @@
 import hashlib
 import json
 import os
+import re
 from collections import Counter
 
 import pytest
@@ -71,22 +72,29 @@ def test_binary_unreadable_and_hidden_files_are_skipped_and_counted(tmp_path):
     assert (c.stats.files_read, c.stats.files_skipped_binary, c.stats.files_skipped_unreadable) == (2, 3, 1)
 
 
-def test_jsonl_rows_malformed_lines_counted(tmp_path):
-    lines = [
-        json.dumps({"text": "first"}),
-        "{not json",
-        json.dumps(["a", "list"]),
-        json.dumps({"content": "no text field"}),
-        json.dumps({"text": 42}),
-        "",
-        json.dumps({"text": "second ✓", "meta": 1}),
-    ]
-    data = "\n".join(lines).encode() + b"\n" + b'{"text": "\xff\xfe"}\n'
+def test_jsonl_bad_records_stop_at_their_line_or_are_skipped_and_counted(tmp_path):
+    good = [json.dumps({"text": f"doc {i}"}) for i in range(300)]
+    bad = {
+        "{not json": "line 101: not JSON",
+        json.dumps(["a", "list"]): "line 101: a JSON list, not an object",
+        json.dumps({"content": "no text field"}): "line 101: no 'text' field (keys: content)",
+        json.dumps({"text": 42}): "line 101: 'text' is a number, not a string",
+        json.dumps({"text": None}): "line 101: 'text' is null, not a string",
+    }
+    for i, (line, message) in enumerate(bad.items()):
+        path = _write(tmp_path / f"case{i}", "data.jsonl", "\n".join([*good[:100], line, *good[100:]]) + "\n")
+        for source in (path, path.parent):  # the file itself, or a directory holding it
+            with pytest.raises(ValueError, match=re.escape(f"{path}: {message}")):
+                load_corpus(source, "train")
+        c = load_corpus(path, "all", skip_bad=True)
+        assert c.documents == [f"doc {i}" for i in range(300)] and c.stats.bad_records == 1
+    data = "\n".join([*good[:3], "", json.dumps({"text": ""})]).encode() + b"\n" + b'{"text": "\xff\xfe"}\n'
     path = _write(tmp_path, "data.jsonl", data)
-    for source in (path, tmp_path):  # the file itself, or a directory holding it
-        c = load_corpus(source, "all")
-        assert c.documents == ["first", "second ✓"]
-        assert c.stats.lines_skipped_malformed == 5 and c.stats.files_read == 1
+    with pytest.raises(ValueError, match=re.escape(f"{path}: line 6: not UTF-8")):
+        load_corpus(path, "all")
+    c = load_corpus(path, "all", skip_bad=True)  # blank lines are no records; an empty text is counted
+    assert c.documents == ["doc 0", "doc 1", "doc 2"] and c.stats.files_read == 1
+    assert (c.stats.bad_records, c.stats.empty_documents) == (1, 1)
 
 
 def test_jsonl_split_is_by_row(tmp_path):
@@ -109,14 +117,18 @@ def test_parquet_or_clear_error(tmp_path):
     pq.write_table(pa.table({"text": ["alpha", None, "gamma"], "id": [1, 2, 3]}), tmp_path / "a.parquet")
     pq.write_table(pa.table({"body": ["no text column"]}), tmp_path / "b.parquet")
     _write(tmp_path, "c.parquet", b"garbage, not parquet")
-    c = load_corpus(tmp_path, "all")
+    with pytest.raises(ValueError, match=re.escape(f"{tmp_path / 'a.parquet'}: row 2: 'text' is null")):
+        load_corpus(tmp_path, "all")
+    with pytest.raises(ValueError, match="b.parquet: not a readable Parquet file with a 'text' column"):
+        load_corpus(tmp_path / "b.parquet", "all")
+    c = load_corpus(tmp_path, "all", skip_bad=True)
     assert c.documents == ["alpha", "gamma"]
     assert (c.stats.files_read, c.stats.files_skipped_unreadable, c.stats.lines_skipped_malformed) == (
         1,
         2,
         1,
     )
-    val = load_corpus(tmp_path / "a.parquet", "val", val_percent=50).documents
+    val = load_corpus(tmp_path / "a.parquet", "val", val_percent=50, skip_bad=True).documents
     assert val == [t for i, t in [(0, "alpha"), (2, "gamma")] if in_val_split(f"a.parquet#{i}", 50)]
 
 

@@ -173,7 +173,12 @@ def test_prepare_data_end_to_end_cached(tmp_path, monkeypatch):
     assert first.train.num_docs + first.val.num_docs == 60 and first.val.num_docs > 0
     assert (first.cache_path / "tokens-val.npy").is_file()
     monkeypatch.setattr(tk, "train_tokenizer", lambda *a, **k: pytest.fail("retrained on a cache hit"))
+    import k3.data
+
+    monkeypatch.setattr(k3.data, "load_splits", lambda *a, **k: pytest.fail("read the corpus on a cache hit"))
     second = prepare_data(corpus, vocab_size=600, val_percent=10, cache_dir=tmp_path / "cache")
     np.testing.assert_array_equal(first.train.tokens, second.train.tokens)
+    assert not first.cached and second.cached and second.stats == first.stats
+    assert first.stats["files"] == 60 and first.stats["val_documents"] == first.val.num_docs
     batch = next(PackedLoader(second.train, 32, 2, second.tokenizer.eos_id))
     assert int(batch["input_ids"].max()) < second.tokenizer.vocab_size

@@ -95,3 +95,37 @@ def test_eval_set_bytes_are_the_scored_bytes():
     table[0] = 2  # a table that disagrees with the decoded text: the comparison would be unfair
     with pytest.raises(ValueError, match="bytes"):
         eval_set_bytes(_docs([5, 8, 3], seed=0), order, _ByteTok(), table)
+
+
+def test_final_evaluation_in_large_inference_batches_equals_the_reference():
+    """The final evaluation's path (inference mode, ~8k-token batches, head + loss from the hidden states
+    in HEAD_ROWS chunks) gives the sums of the full-logits reference run at the training micro-batch."""
+    from k3.config import load_config
+    from k3.model.init import init_weights
+    from k3.model.transformer import K3ForCausalLM
+    from k3.train import evaluate as ev
+
+    cfg = load_config("k3-nano")
+    torch.manual_seed(0)
+    model = K3ForCausalLM(cfg)
+    init_weights(model, cfg.initializer_range, cfg.num_hidden_layers, seed=0)
+    docs = _docs([40, 3, 100, 17, 60, 9, 250, 33])
+    es = build_eval_set(docs, 32, EOS)
+    nbytes = np.ones(cfg.vocab_size, dtype=np.int64)
+    batch = next(es.batches(4))
+    inputs = {k: batch[k] for k in ("input_ids", "cu_seqlens", "doc_ids")}
+    labels = batch["labels"].flatten()
+    with torch.no_grad():
+        fast, ref = ev._target_nats(model, inputs, labels), ev._target_nats_reference(model, inputs, labels)
+    assert float(fast) == pytest.approx(float(ref), rel=1e-6) and float(ref) > 0
+    rows = ev.eval_batch_rows(32, 2, rows=es.rows)
+    assert rows == es.rows and ev.eval_batch_rows(32, 2) == 256 and ev.eval_batch_rows(128, 3, 2) == 64
+    small = ev.evaluate(model, es, nbytes, EOS, seq_len=32, batch_size=2)
+    old_head_rows, ev.HEAD_ROWS = ev.HEAD_ROWS, 7  # chunks that do not divide the rows
+    try:
+        large = ev.evaluate(model, es, nbytes, EOS, seq_len=32, batch_size=rows, inference=True)
+    finally:
+        ev.HEAD_ROWS = old_head_rows
+    assert large["tokens"] == small["tokens"] == int((es.labels != IGNORE_INDEX).sum())
+    assert large["val_loss"] == pytest.approx(small["val_loss"], rel=1e-5)
+    assert model.training  # restored
