@@ -410,7 +410,11 @@ def test_kernel_cache_rebuilds_a_library_it_did_not_build(kernel_cache):
     assert native.library("unit_lower_solve") is not None
     (lib,) = kernel_cache.glob("*/libunit_lower_solve.so")
     built = lib.read_bytes()
-    lib.write_bytes(built + b"planted")  # someone else's library in its place
+    # someone else's library in its place: a new file renamed over it, as the mapped library must keep its
+    # own pages (writing into the loaded file would change code this process runs at exit)
+    planted = lib.with_name("planted.so")
+    planted.write_bytes(built + b"planted")
+    os.replace(planted, lib)
     native.reset()
     assert native.library("unit_lower_solve") is not None
     assert lib.read_bytes() == built  # built again, the planted one never loaded
