@@ -387,3 +387,17 @@ def check_state_dict(
     ]
     if problems:
         raise ValueError(f"{source} does not match the model: " + "; ".join(problems))
+
+
+def assign_meta_model(model: torch.nn.Module, state: dict, config: K3Config, source) -> torch.nn.Module:
+    """Load `state` into a model built on the meta device (its tensors taken as they are, `assign`),
+    after checking names and shapes; tie the head if the config says so. Raises ValueError naming
+    `source` when a tensor is missing, misshaped, or still on the meta device afterwards."""
+    check_state_dict({n: tuple(t.shape) for n, t in model.state_dict().items()}, state, source=source)
+    model.load_state_dict(state, strict=True, assign=True)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if left:
+        raise ValueError(f"{source}: tensors not in the checkpoint and not persistent: {short_list(left)}")
+    return model

@@ -313,7 +313,7 @@ def _packed_layers(types: dict[str, str], config: K3Config) -> list[int]:
 
 
 def _build(config: K3Config, state: dict, packed_layers: list[int], source) -> torch.nn.Module:
-    from k3.checkpoint.io import check_state_dict
+    from k3.checkpoint.io import assign_meta_model
     from k3.model.transformer import K3ForCausalLM
     from k3.quant.packed import PackedRoutedExperts
 
@@ -322,11 +322,4 @@ def _build(config: K3Config, state: dict, packed_layers: list[int], source) -> t
         for i in packed_layers:
             moe = model.model.layers[i].block_sparse_moe
             moe.experts = PackedRoutedExperts.from_experts(moe.experts)
-    check_state_dict({n: tuple(t.shape) for n, t in model.state_dict().items()}, state, source=source)
-    model.load_state_dict(state, strict=True, assign=True)
-    if config.tie_word_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight
-    left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
-    if left:
-        raise ValueError(f"{source}: tensors neither in the file nor rebuilt: {short_list(left)}")
-    return model
+    return assign_meta_model(model, state, config, source)

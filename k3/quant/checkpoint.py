@@ -32,7 +32,7 @@ import torch
 from k3.checkpoint.adapter import from_official, official_to_ours_name, short_list
 from k3.checkpoint.io import (
     DEFAULT_MAX_SHARD_BYTES,
-    check_state_dict,
+    assign_meta_model,
     load_checkpoint,
     load_official_tensors,
     save_checkpoint,
@@ -267,11 +267,4 @@ def load_mxfp4_checkpoint(
     state = from_official(rest, config) | stacked
     with torch.device("meta"):
         model = pack_model_experts(K3ForCausalLM(config))
-    check_state_dict({n: tuple(t.shape) for n, t in model.state_dict().items()}, state, source=ckpt_dir)
-    model.load_state_dict(state, strict=True, assign=True)
-    if config.tie_word_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight
-    left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
-    if left:
-        raise ValueError(f"{ckpt_dir}: tensors not in the checkpoint and not persistent: {short_list(left)}")
-    return model, config
+    return assign_meta_model(model, state, config, ckpt_dir), config
