@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from k3.train.config import TrainConfig
-from k3.train.trainer import Trainer
+from k3.train.trainer import Trainer, initial_state
 
 TASK_CONVERSATIONS = 4000  # the embedded task's training conversations (more than a default run visits)
 HELDOUT_CONVERSATIONS = 16  # held-out conversations of the evaluation loss (~10k tokens, ~3 steps of time)
@@ -114,15 +114,7 @@ class SFTTrainer(Trainer):
             _val_batches(self.val_chats, tc.seq_len, tc.batch_size, pad) if self.val_chats is not None else []
         )
         self.monitor = MaxLogitMonitor(self.model)
-        self.state = {
-            "step": 0,
-            "total_steps": tc.steps,
-            "tokens": 0,
-            "bad_streak": 0,
-            "skipped": 0,
-            "train_seconds": 0.0,
-            "threads": tc.threads,
-        }
+        self.state = initial_state(tc)
         self.out.mkdir(parents=True, exist_ok=True)
         self.log = MetricsLog(self.out / "metrics.jsonl")
         if self.resume_from is not None:

@@ -167,6 +167,19 @@ class _NoLog:
         pass
 
 
+def initial_state(tc) -> dict:
+    """The run state a fresh run starts from (a resumed one reads it from its checkpoint)."""
+    return {
+        "step": 0,
+        "total_steps": tc.steps,
+        "tokens": 0,
+        "bad_streak": 0,
+        "skipped": 0,
+        "train_seconds": 0.0,
+        "threads": tc.threads,
+    }
+
+
 class Trainer:
     """One run. `Trainer(tc).run()` -> summary dict; `resume` is a run or checkpoint directory."""
 
@@ -253,15 +266,7 @@ class Trainer:
             world_size=rt.world_size,
         )
         self.monitor = MaxLogitMonitor(self.model)
-        self.state = {
-            "step": 0,
-            "total_steps": tc.steps,
-            "tokens": 0,
-            "bad_streak": 0,
-            "skipped": 0,
-            "train_seconds": 0.0,
-            "threads": tc.threads,
-        }
+        self.state = initial_state(tc)
         self.out.mkdir(parents=True, exist_ok=True)
         self.log = (
             MetricsLog(self.out / "metrics.jsonl") if rt.is_main else _NoLog(self.out / "metrics.jsonl")
