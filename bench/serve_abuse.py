@@ -7,9 +7,9 @@ starts `python -m k3.serve.cli` on 127.0.0.1 for each (whatever `k3` the Python 
 another checkout first on PYTHONPATH to measure that one), and replays:
 
   1 images      20 image parts of a 6,320 x 6,320 1-bit PNG in one request; then 6 such requests at once
-  2 stop        "stop" with 250,000 strings (~3.5 MB) beside a neighbour's 64-token request
+  2 stop        "stop" with as many strings as the body cap holds (250,000, ~3.5 MB, at a 4 MiB cap)
   3 slowloris   60 half-sent connections (30 silent, 30 sending a header line every 10 s)
-  4 tokenize    a ~4 MB chat message
+  4 tokenize    a chat message as long as the body cap allows
   5 browser     a POST with no Content-Type (a web page's "simple" request); Host: evil.example
   6 cache       another tenant guesses a system prompt and reads usage.cached_tokens
   7 tool calls  text spelling the markers, as the running code's chat path parses a generation of it
@@ -73,6 +73,14 @@ def make_checkpoints(root: Path) -> tuple[Path, Path]:
     init_vl_weights(vl, seed=0)
     tok = train_tokenizer(["what colour is the square? image 112x112 red " * 20], vocab_size=1024)
     return text, save_vl_checkpoint(vl, root / "tiny-vl", tok)
+
+
+def body_cap(max_model_len: int = 8192) -> int:
+    """The text server's body cap: the running code's default, or 4 MiB where the default is fixed."""
+    from k3.serve.app import ServeConfig
+
+    cap = getattr(ServeConfig(max_model_len=max_model_len), "body_cap", None)
+    return cap(vision=False) if cap else 4 << 20
 
 
 def supports(flag: str) -> bool:
@@ -277,7 +285,7 @@ def abuse_stop(srv: Server) -> dict:
         "prompt": "the fox",
         "max_tokens": 64,
         "ignore_eos": True,
-        "stop": [f"zq{i:07d}" for i in range(250_000)],
+        "stop": [f"zq{i:07d}" for i in range(min(250_000, (body_cap() - 200) // 13))],
     }
     body = json.dumps(body).encode()
     (status, out, dt), ratio = with_neighbour(
@@ -341,7 +349,8 @@ def abuse_slowloris(srv: Server, limit_s: float = 30.0) -> dict:
 
 def abuse_tokenize(srv: Server) -> dict:
     rng = random.Random(0)
-    text = " ".join(rng.choice(("alpha", "beta", "gamma", "fox", "dog")) for _ in range(700_000))
+    words = (rng.choice(("alpha", "beta", "gamma", "fox", "dog")) for _ in range(700_000))
+    text = " ".join(words)[: body_cap() - 200]
     body = json.dumps({"model": "kimi-k3", "messages": [{"role": "user", "content": text}], "max_tokens": 1})
     body = body.encode()
     n = len(srv.health)

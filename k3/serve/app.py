@@ -81,7 +81,7 @@ class ServeConfig:
     served_model_name: str = "kimi-k3"
     api_keys: tuple[str, ...] = ()  # any of them is accepted; each is its own prefix-cache tenant
     max_model_len: int = 8192
-    max_body_bytes: int = 4 << 20
+    max_body_bytes: int | None = None  # 413 above it; None: body_cap() from the context (and vision)
     retry_after_s: int = 1  # the 503's Retry-After
     max_output_tokens: int | None = None  # per request (422 above it; the default); None: the context
     max_header_bytes: int = 16 << 10  # request line + headers (431 above it)
@@ -97,6 +97,14 @@ class ServeConfig:
     @property
     def output_cap(self) -> int:
         return self.max_output_tokens or self.max_model_len
+
+    def body_cap(self, vision: bool) -> int:
+        """Bytes a request body may have. Unset, it is what the context can use: 32 bytes a token (JSON
+        escapes included, ~8x what text takes) + 64 KiB of other fields, + 8 MiB of images on a vision
+        server; a body no prompt of this context could fill is refused before it is read or parsed."""
+        if self.max_body_bytes is not None:
+            return self.max_body_bytes
+        return (64 << 10) + 32 * self.max_model_len + ((8 << 20) if vision else 0)
 
 
 class APIError(Exception):
@@ -127,6 +135,7 @@ def create_app(engine: AsyncEngine, cfg: ServeConfig) -> FastAPI:
     app = FastAPI(title="k3", docs_url=None, redoc_url=None, openapi_url=None)
     tok = engine.tokenizer
     vision = getattr(engine.engine, "vision", None)
+    body_cap = cfg.body_cap(vision is not None)
     stats = ServerMetrics()
     doc = build_openapi(cfg.served_model_name, engine.engine.vocab_size, cfg.output_cap,
                         vision is not None, bool(cfg.api_keys), stop_limits=(cfg.max_stop_strings,
@@ -173,7 +182,7 @@ def create_app(engine: AsyncEngine, cfg: ServeConfig) -> FastAPI:
             # a browser sends a cross-site POST without a CORS preflight only as text/plain, a form or
             # with no Content-Type: refusing all but application/json keeps web pages out
             raise APIError(415, f"Content-Type must be application/json, got {ctype!r}")
-        return await _read_body(request, cfg.max_body_bytes), key
+        return await _read_body(request, body_cap), key
 
     def check_stops(data: dict) -> None:
         """The stop-string limits on the parsed JSON, before anything walks a flood of them."""

@@ -56,7 +56,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="max_tokens limit per request and its default (default: the context length)",
     )
-    parser.add_argument("--max-body-bytes", type=int, default=4 << 20, help="request body limit (413)")
+    parser.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=None,
+        help="request body limit (413; default: 64 KiB + 32 bytes per token of --max-model-len, + 8 MiB "
+        "with vision)",
+    )
     parser.add_argument(
         "--max-header-bytes", type=int, default=16 << 10, help="request line + headers limit (431)"
     )
@@ -185,10 +191,10 @@ def serve_config(args):
     from k3.serve.app import ServeConfig
     from k3.serve.guard import allowed_hosts
 
-    positive = ("max_connections", "header_timeout", "body_timeout", "max_stop_strings", "max_stop_chars",
-                "max_json_depth", "max_images", "max_image_pixels")  # fmt: skip
+    positive = ("max_body_bytes", "max_connections", "header_timeout", "body_timeout", "max_stop_strings",
+                "max_stop_chars", "max_json_depth", "max_images", "max_image_pixels")  # fmt: skip
     for name in positive:
-        if getattr(args, name) <= 0:
+        if getattr(args, name) is not None and getattr(args, name) <= 0:
             raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     return ServeConfig(args.served_model_name, api_keys(args), args.max_model_len, args.max_body_bytes,
                        max_output_tokens=args.max_output_tokens, max_header_bytes=args.max_header_bytes,

@@ -104,6 +104,21 @@ def test_limit_errors_name_their_option(server):
         assert got == status and option in err["error"]["message"], (option, err)
 
 
+def test_default_body_cap_follows_the_context(guarded):
+    """Unset, --max-body-bytes is 64 KiB + 32 bytes per context token (81,920 at 512 tokens): a body no
+    prompt of the context could use is refused unread; one below the cap reaches the context check."""
+    from k3.serve.app import ServeConfig
+
+    assert ServeConfig(max_model_len=512).body_cap(vision=False) == 81_920
+    assert ServeConfig(max_model_len=512).body_cap(vision=True) == 81_920 + (8 << 20)
+    assert ServeConfig(max_model_len=512, max_body_bytes=10).body_cap(vision=True) == 10
+    big, near = completion("x" * 82_000), completion("x y " * 19_000)
+    status, _, err, dt = call(guarded, "POST", "/v1/completions", big, as_key(KEYS[0]))
+    assert status == 413 and "81920" in err["error"]["message"] and dt < 1.0, err
+    status, _, err, _ = call(guarded, "POST", "/v1/completions", near, as_key(KEYS[0]))
+    assert status == 400 and "context of 512 tokens" in err["error"]["message"], err
+
+
 # ---- JSON ----------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("depth", [100, 2000, 9000])
 def test_deep_json_answers_400(server, depth):
