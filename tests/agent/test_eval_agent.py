@@ -149,10 +149,25 @@ def test_made_up_names_do_not_exist_and_are_reported():
     mods = task.split_modules("train")
     for _ in range(50):
         name = task.made_up(rng, mods)
-        assert st.signature(name).startswith("error:") and name.split(".")[0] in mods
-    convs = task.conversations(300, "train", seed=1)
+        mod, bare = name.split(".", 1)
+        assert st.signature(name).startswith("error:") and st.find(bare).startswith("error:")
+        assert mod in mods or mod not in st.MODULES  # a training module or an invented one
+    convs = [task.conversation(rng, mods, task.MADE_UP) for _ in range(300)]
     made = [c for c in convs if c["messages"][2]["content"].startswith("error:")]
-    assert 0.25 < len(made) / len(convs) < 0.55
+    assert task.MADE_UP - 0.12 < len(made) / len(convs) < task.MADE_UP + 0.12
     assert all(c["messages"][2]["content"] in c["messages"][-1]["content"] for c in made)
     held = task.conversations(50, "heldout")
     assert not any(c["messages"][2]["content"].startswith("error:") for c in held)
+
+
+def test_training_conversations_chain_questions_with_unique_call_ids():
+    from k3.data.chats import check_conversation
+
+    convs = task.conversations(200, "train", seed=2)
+    questions = [sum(m["role"] == "user" for m in c["messages"]) for c in convs]
+    assert min(questions) == 1 and max(questions) > task.TRAIN_QUESTIONS  # follow-ups add user turns
+    for c in convs:
+        check_conversation(c)  # every tool result answers a call of the assistant turn before it
+        ids = [t["id"] for m in c["messages"] for t in m.get("tool_calls") or ()]
+        assert ids == [f"call_{i}" for i in range(1, len(ids) + 1)]
+    assert all(sum(m["role"] == "user" for m in c["messages"]) <= 2 for c in task.conversations(50, "heldout"))
