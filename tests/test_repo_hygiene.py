@@ -38,6 +38,7 @@ MACHINE_PATH = re.compile(r"(?<![\w.~/-])/(?:work|root|Users|home/[^/\s]+)/")
 MACHINE_TALK = re.compile(r"\bthis (?:machine|VM|host)\b|\btoday'?s?\b|\bso far\b", re.IGNORECASE)
 DOC_LINK = re.compile(r"\bdocs/([\w-]+\.md)\b")
 
+ENGINE_CORE = ("k3.infer.model_runner", "k3.infer.scheduler", "k3.infer.engine", "k3.infer.async_engine")
 # module prefix -> k3 subpackages it must never import
 FORBIDDEN = {
     "k3.config": ("k3.ops", "k3.model", "k3.train", "k3.infer", "k3.serve", "k3.parallel"),
@@ -45,6 +46,11 @@ FORBIDDEN = {
     "k3.model": ("k3.train", "k3.infer", "k3.serve", "k3.parallel", "k3.optim", "torch.distributed"),
     "k3.optim": ("k3.model", "k3.train", "k3.infer", "k3.serve"),
     "k3.serve": ("k3.model",),
+    # the engine's rooms, bottom up: memory, cache (pools, prefix cache, paged MLA), decode (the torch and
+    # native steps), then the engine core (runner, scheduler, engine, async engine) over them
+    "k3.infer.memory": ("k3.infer.cache", "k3.infer.decode", *ENGINE_CORE),
+    "k3.infer.cache": ("k3.infer.decode", *ENGINE_CORE),
+    "k3.infer.decode": ENGINE_CORE,
 }
 
 

@@ -13,12 +13,12 @@ class EngineConfig:
     `capture_snapshots`: the KDA state at the last aligned position before a prompt's final token is
     captured inside the prompt's last chunk (k3.model.state.KDAState.capture_at) instead of ending a chunk
     there, which costs a second, short forward per prompt. `compile` compiles the batch-1 decode step into
-    one graph (k3.infer.decode_step) and fuses the SiTU activations of prefill
+    one graph (k3.infer.decode.torch_step) and fuses the SiTU activations of prefill
     (k3.ops.glu.fused_activations): a C++ compiler at run time, tens of seconds once. `native` runs
     one-token rows (decode) through the whole-model C step where the model qualifies
-    (k3.infer.native_decode: fp32 on the CPU, the release's K3 config); `compile` then only matters where
+    (k3.infer.decode.native_step: fp32 on the CPU, the release's K3 config); `compile` then only matters where
     it does not. `keep_freed_memory` keeps freed activations in the process's C heap for the next forward
-    instead of faulting them in again (k3.infer.heap; process-wide, glibc only)."""
+    instead of faulting them in again (k3.infer.memory; process-wide, glibc only)."""
 
     page_size: int = 64
     num_pages: int = 512
@@ -32,8 +32,8 @@ class EngineConfig:
     snapshots_per_path: int = 4
     capture_snapshots: bool = True  # snapshot inside the last prompt chunk, not by pausing there
     compile: bool = False  # torch.compile the batch-1 decode step and the prefill activations
-    native: bool = True  # decode rows through the C step (k3.infer.native_decode) where it qualifies
-    keep_freed_memory: bool = True  # glibc keeps freed activations for reuse (k3.infer.heap)
+    native: bool = True  # decode rows through the C step (k3.infer.decode.native_step) where it qualifies
+    keep_freed_memory: bool = True  # glibc keeps freed activations for reuse (k3.infer.memory)
 
     def __post_init__(self):
         for name in (

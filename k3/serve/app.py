@@ -55,7 +55,7 @@ from starlette.requests import ClientDisconnect
 
 from k3.chat_format import ChatOptions, encode_segments, marker_ids, parse_marked, render
 from k3.infer.async_engine import AsyncEngine, QueueFull
-from k3.infer.heap import release_free_memory
+from k3.infer.memory import release_free_memory
 from k3.infer.sequence import SamplingParams
 from k3.serve import responses as R
 from k3.serve.guard import allowed_host

@@ -228,7 +228,7 @@ def test_engine_on_the_gguf_generates_the_source_tokens(source, outtype):
     want = _greedy(ref_engine, prompts)
     assert got == want and len(set(map(tuple, got))) == 2
     # the GGUF's model takes the same decode path (the native whole-model step where it is built)
-    assert (engine.runner.decode.native() is None) == (ref_engine.runner.decode.native() is None)
+    assert (engine.runner.decode.native is None) == (ref_engine.runner.decode.native is None)
 
 
 def test_unknown_tensor_types_are_refused_by_name(tokenizer_dir, tmp_path, monkeypatch):

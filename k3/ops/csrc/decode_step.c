@@ -1,6 +1,6 @@
 /* One decode step of a whole K3 model for B rows of one token each, fp32, in one call.
  *
- * The same maths as the engine's torch step (k3.infer.decode_step.DecodeStep.step, the reference the
+ * The same maths as the engine's torch step (k3.infer.decode.torch_step.TorchDecodeStep.step, the reference the
  * tests compare this with): embedding -> per layer AttnRes -> KDA | MLA -> AttnRes -> dense | LatentMoE
  * -> output AttnRes -> norm -> head, reading and writing the engine's pools in place (KDA conv and
  * recurrent states by slot, MLA latents by page). What it saves over the torch step is everything that

@@ -1,12 +1,13 @@
-"""The decode step in one C call (k3/ops/csrc/decode_step.c): the engine's fast path for one-token rows.
+"""The native decode step: one C call (k3/ops/csrc/decode_step.c) for the engine's one-token rows.
 
-    step = NativeDecode.build(runner)          # None when the model or machine does not qualify
-    logits = step(ids, slots, tables, lengths) # [B, 1, V] fp32, same contract as DecodeStep.__call__
+    step = NativeDecodeStep.build(runner)      # None when the model or machine does not qualify
+    logits = step(ids, slots, tables, lengths) # [B, 1, V] fp32, same contract as TorchDecodeStep
 
-It computes exactly the maths of `DecodeStep.step` (the torch step, its reference: tests compare the
-two), with the engine's pools updated in place. The C side runs the whole model for the B rows: every
-weight matrix is streamed once per step for all rows, no tensor is allocated and nothing goes through
-torch's dispatcher, which is where a torch decode step spends most of its time on a CPU. It uses
+It computes exactly the maths of `TorchDecodeStep.step` (k3.infer.decode.torch_step, its reference:
+tests compare the two), with the engine's pools updated in place. The C side runs the whole model for
+the B rows: every weight matrix is streamed once per step for all rows, no tensor is allocated and
+nothing goes through torch's dispatcher, which is where a torch decode step spends most of its time on
+a CPU. It uses
 `torch.get_num_threads()` threads (an OpenMP team of its own).
 
 It qualifies for fp32 models on the CPU (routed experts fp32, or MXFP4-packed by `k3.quant.packed`:
@@ -25,7 +26,8 @@ import ctypes
 
 import torch
 
-from k3.infer import huge_pages
+from k3.infer import memory
+from k3.infer.decode.torch_step import block_table_width
 from k3.ops import native
 
 I64, F32, PTR = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
@@ -88,7 +90,7 @@ def unsupported(runner) -> str | None:
     return None
 
 
-class NativeDecode:
+class NativeDecodeStep:
     """The C decode step over `runner`'s model and pools (see the module docstring)."""
 
     max_rows = MAX_ROWS
@@ -110,13 +112,13 @@ class NativeDecode:
         self._size_fn.restype = I64
 
     @classmethod
-    def build(cls, runner) -> NativeDecode | None:
+    def build(cls, runner) -> NativeDecodeStep | None:
         if unsupported(runner) is not None:
             return None
         fn = native.function("decode_step", "k3_decode_step", _STEP_ARGS)
         if fn is None:
             return None
-        huge_pages.rehome(runner.model)  # the weights it streams, in 2 MB pages (k3.infer.huge_pages)
+        memory.rehome(runner.model)  # the weights it streams, in 2 MB pages (k3.infer.memory)
         return cls(runner, fn)
 
     # ---- the call ----------------------------------------------------------------------------------
@@ -162,7 +164,7 @@ class NativeDecode:
             R=c.kv_lora_rank, Q=c.q_lora_rank or 0,
             E=c.num_experts, topk=c.num_experts_per_token, I=c.moe_intermediate_size, Dl=c.expert_width,
             Is=shared, Id=c.intermediate_size, dense_layers=c.first_k_dense_replace,
-            block=c.attn_res_block_size, page_size=r.config.page_size, pages=r.decode.pages,
+            block=c.attn_res_block_size, page_size=r.config.page_size, pages=block_table_width(r.config),
             safe_gate=int(la.gate_lower_bound is not None), latent_norm=int(c.latent_moe_use_norm),
             renorm=int(c.moe_renormalize), pad=0,
             rms_eps=c.rms_norm_eps, latent_eps=c.latent_norm_eps, res_eps=_attn_res_eps(),
