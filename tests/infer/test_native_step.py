@@ -3,6 +3,7 @@
 several steps, variant configs and thread counts; the engine's greedy text with it on and off; the
 backend chosen once when the engine is built."""
 
+import ctypes
 import dataclasses
 import logging
 
@@ -11,6 +12,7 @@ import torch
 
 from k3.config import preset
 from k3.infer.config import EngineConfig
+from k3.infer.decode import native_step
 from k3.infer.decode.native_step import NativeDecodeStep, unsupported
 from k3.infer.engine import Engine
 from k3.infer.sequence import SamplingParams
@@ -224,3 +226,24 @@ def test_it_declines_what_it_does_not_compute(monkeypatch):
     monkeypatch.setenv("K3_NATIVE", "0")
     plain = Engine(model_of(VARIANTS["nano"]), EngineConfig(**CFG))
     assert "K3_NATIVE" in unsupported(plain.runner)
+
+
+def test_the_ctypes_structs_match_the_c_layout(monkeypatch):
+    assert native_step.layout_problems() == []
+
+    class Ends(ctypes.Structure):  # two fields swapped, as a one-sided edit would leave them
+        _fields_ = [(n, ctypes.c_void_p) for n in ("embed", "out_res", "norm", "lm_head")]
+
+    class Dims(ctypes.Structure):  # one field short
+        _fields_ = native_step.Dims._fields_[:-1]
+
+    problems = native_step.layout_problems((Dims, native_step.Layer, Ends))
+    assert problems == [
+        "Dims.kda_scale: only in C",
+        "Ends.norm: C says 8, Python 16",
+        "Ends.out_res: C says 16, Python 8",
+    ]  # (the shorter Dims pads to the same size)
+    monkeypatch.setattr(native_step, "Ends", Ends)
+    monkeypatch.setattr(native_step, "layout_problems", lambda: ["Ends.norm: C says 8, Python 16"])
+    with pytest.raises(RuntimeError, match="structs differ from their ctypes mirrors.*Ends.norm"):
+        NativeDecodeStep.build(Engine(model_of(NANO), EngineConfig(**CFG, native=False)).runner)

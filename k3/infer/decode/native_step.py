@@ -15,6 +15,8 @@ the kernel decodes the codes in registers, never expanding them) whose config is
 (`K3Config.release_problems()` empty), within the kernel's fixed buffers (head dims <= 512, latent
 rank <= 1024, experts <= 1024), with native kernels on and a C compiler with OpenMP; otherwise the
 engine keeps the torch step.
+The ctypes structs below mirror decode_step.c's; the build compares their sizes and field offsets with
+the C side's own table (`layout_problems`) and raises on any difference.
 Weights are read from the model at build time (a few derived vectors are computed once: AttnRes's
 key-norm gain times its pseudo-query, exp(A_log)), so a model changed after the engine was built needs
 a new engine.
@@ -64,6 +66,34 @@ class Ends(ctypes.Structure):
 
 
 _STEP_ARGS = [PTR, PTR, PTR, I64, PTR, PTR, PTR, PTR, PTR, PTR, I64]
+
+
+class _LayoutEntry(ctypes.Structure):  # decode_step.c's LayoutEntry: field "" holds the struct's size
+    _fields_ = [("type", ctypes.c_char_p), ("field", ctypes.c_char_p), ("value", I64)]
+
+
+def layout_problems(structs=(Dims, Layer, Ends)) -> list[str] | None:
+    """How the ctypes `structs` differ from the C step's own layout table (sizes and field offsets,
+    decode_step.c); [] when they agree, None when the C step is not built."""
+    fn = native.function("decode_step", "k3_decode_layout", [ctypes.POINTER(ctypes.POINTER(_LayoutEntry))])
+    if fn is None:
+        return None
+    fn.restype = I64
+    entries = ctypes.POINTER(_LayoutEntry)()
+    n = fn(ctypes.byref(entries))
+    c_side = {(e.type.decode(), e.field.decode()): e.value for e in entries[:n]}
+    ours = {}
+    for cls in structs:
+        ours[cls.__name__, ""] = ctypes.sizeof(cls)
+        ours.update(((cls.__name__, f), getattr(cls, f).offset) for f, _ in cls._fields_)
+    problems = []
+    for key in sorted(set(c_side) | set(ours)):
+        what = f"sizeof({key[0]})" if key[1] == "" else f"{key[0]}.{key[1]}"
+        if key not in ours or key not in c_side:
+            problems.append(f"{what}: only in {'C' if key in c_side else 'Python'}")
+        elif ours[key] != c_side[key]:
+            problems.append(f"{what}: C says {c_side[key]}, Python {ours[key]}")
+    return problems
 
 
 def unsupported(runner) -> str | None:
@@ -118,6 +148,12 @@ class NativeDecodeStep:
         fn = native.function("decode_step", "k3_decode_step", _STEP_ARGS)
         if fn is None:
             return None
+        problems = layout_problems()
+        if problems:  # a struct edited on one side only: the step would read the wrong fields
+            raise RuntimeError(
+                "the C decode step's structs differ from their ctypes mirrors "
+                "(k3/infer/decode/native_step.py): " + "; ".join(problems)
+            )
         memory.rehome(runner.model)  # the weights it streams, in 2 MB pages (k3.infer.memory)
         return cls(runner, fn)
 
