@@ -77,7 +77,7 @@ def make_checkpoints(root: Path) -> tuple[Path, Path]:
 
 def body_cap(max_model_len: int = 8192) -> int:
     """The text server's body cap: the running code's default, or 4 MiB where the default is fixed."""
-    from k3.serve.app import ServeConfig
+    from k3.serve.config import ServeConfig
 
     cap = getattr(ServeConfig(max_model_len=max_model_len), "body_cap", None)
     return cap(vision=False) if cap else 4 << 20

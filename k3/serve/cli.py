@@ -188,7 +188,7 @@ def api_keys(args) -> tuple[str, ...]:
 
 
 def serve_config(args):
-    from k3.serve.app import ServeConfig
+    from k3.serve.config import ServeConfig
     from k3.serve.guard import allowed_hosts
 
     positive = ("max_body_bytes", "max_connections", "header_timeout", "body_timeout", "max_stop_strings",
