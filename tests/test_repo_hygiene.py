@@ -314,6 +314,39 @@ def test_machine_talk_is_caught(text, bad):
     assert bool(machine_talk(text)) == bad
 
 
+MAX_SOURCE_LINES = 450  # a k3 source file longer than this says why on its first line
+
+
+def long_files_without_reason(root: Path = ROOT) -> list[str]:
+    """k3 source files (Python, C, headers) over MAX_SOURCE_LINES whose first line is not a comment
+    starting `Long file:` with the reason."""
+    bad = []
+    for path in sorted((root / "k3").rglob("*")):
+        if path.suffix not in (".py", ".c", ".h"):
+            continue
+        lines = path.read_text().splitlines()
+        first = lines[0].lstrip("#/* ") if lines else ""
+        if len(lines) > MAX_SOURCE_LINES and not first.startswith("Long file: "):
+            bad.append(f"{path.relative_to(root)}: {len(lines)} lines")
+    return bad
+
+
+def test_long_source_files_say_why():
+    bad = long_files_without_reason()
+    assert not bad, (
+        f"k3 files over {MAX_SOURCE_LINES} lines without a `Long file: <reason>` first line:\n"
+        + ("\n".join(bad))
+    )
+
+
+def test_long_file_rule_is_checked(tmp_path):
+    (tmp_path / "k3").mkdir()
+    (tmp_path / "k3/big.py").write_text("x = 1\n" * (MAX_SOURCE_LINES + 1))
+    (tmp_path / "k3/big.c").write_text("/* Long file: one table. */\n" + "int x;\n" * MAX_SOURCE_LINES)
+    (tmp_path / "k3/small.py").write_text("x = 1\n" * MAX_SOURCE_LINES)
+    assert long_files_without_reason(tmp_path) == [f"k3/big.py: {MAX_SOURCE_LINES + 1} lines"]
+
+
 def test_docs_pages_are_short():
     long = {
         p.name: n

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 from pydantic import ValidationError
 
-from k3.chat_format import ChatOptions, encode_segments, marker_ids, render
+from k3.chat_format import ChatOptions, encode_segments, render
+from k3.chat_parse import marker_ids
 from k3.infer.memory import release_free_memory
 from k3.infer.sequence import SamplingParams
 from k3.serve.body import parse_json

@@ -9,7 +9,7 @@ import time
 
 from fastapi import Request
 
-from k3.chat_format import parse_marked
+from k3.chat_parse import parse_marked
 from k3.serve import responses as R
 from k3.serve.errors import ClientGone, request_failed
 from k3.serve.metrics import ServerMetrics

@@ -4,7 +4,7 @@ the parse of the whole text, with no partial character or partial channel shown.
 import asyncio
 import json
 
-from k3.chat_format import MARKED
+from k3.chat_parse import MARKED
 from k3.infer.async_engine import Event
 from k3.serve.streams import chat_stream
 
