@@ -12,23 +12,8 @@ where ``base = 163584`` (163,584 tiktoken ranks) and ``vocab_size = 163840``:
 Other slots are ``<|reserved_token_ID|>`` (ID = the absolute id). All reserved tokens are "special"
 (dropped by ``decode(skip_special=True)``) except the XTML markers ``<|open|> <|close|> <|sep|>``.
 
-Forgery. The ordinary BPE knows nothing of reserved names, so ``encode(text)`` turns a literal
-``"<|open|>"`` into ordinary byte tokens; only ``encode(text, allow_special=True)`` maps reserved
-names to their ids. (An HF ``tokenizers``/``transformers`` tokenizer built from our ``tokenizer.json``
-registers the reserved tokens as added tokens and so always matches them -- use this class for
-untrusted text.)
-
-Pre-tokenisation. Kimi K2's split (docs/spec_text.md#tokenizer gives K3 K2's regex, unverified there, §8.9;
-llama.cpp's converter assumes the same), PRE_TOKENIZER_PATTERN: Han runs; letter runs of one case shape
-(capitals then lower case, or capitals only; Han excluded, marks included) with one optional leading
-non-letter and an optional English contraction; digit groups of at most 3; punctuation runs with trailing
-newlines; newline runs; other whitespace. It is the ``pat_str`` that the release's
-``tokenization_kimi.py`` gives tiktoken, so a trained tokenizer exported as ``tiktoken.model`` encodes
-identically under tiktoken, and a GGUF can declare llama.cpp's ``kimi-k2`` pre-tokenizer (which departs
-from the regex on combining marks, a few Han-script characters such as 々, and case changes after
-kana/Hangul; the interop docs give examples). The regex only changes how text is cut before BPE, so
-any pattern decodes losslessly; a ``tokenizer.json`` carries its own pattern, so tokenizers trained
-with an older split still load and encode as trained.
+Forgery: ordinary text never encodes to a reserved id (`K3Tokenizer.encode`). Pre-tokenisation: Kimi
+K2's split (`PRE_TOKENIZER_PATTERN`, commented there).
 
 Backends. A trained tokenizer uses HF ``tokenizers`` (byte-level BPE). :meth:`K3Tokenizer.save` writes
 ``tokenizer.json`` (HF), ``tiktoken.model`` (the release's base64-token/rank lines, ranks = ids) and
@@ -58,6 +43,17 @@ DEFAULT_VOCAB_SIZE = 8192
 DEFAULT_MAX_TRAIN_BYTES = 256 * 2**20  # the stdlib (~31 MB) trains in full
 DEFAULT_MODEL_MAX_LENGTH = 1_048_576  # config.json max_position_embeddings
 FORMAT_VERSION = 2  # what a cached tokenizer encodes (2: Kimi K2's split); another version is retrained
+# Pre-tokenisation. Kimi K2's split (docs/spec_text.md#tokenizer gives K3 K2's regex, unverified there, §8.9;
+# llama.cpp's converter assumes the same), PRE_TOKENIZER_PATTERN: Han runs; letter runs of one case shape
+# (capitals then lower case, or capitals only; Han excluded, marks included) with one optional leading
+# non-letter and an optional English contraction; digit groups of at most 3; punctuation runs with trailing
+# newlines; newline runs; other whitespace. It is the `pat_str` that the release's
+# `tokenization_kimi.py` gives tiktoken, so a trained tokenizer exported as `tiktoken.model` encodes
+# identically under tiktoken, and a GGUF can declare llama.cpp's `kimi-k2` pre-tokenizer (which departs
+# from the regex on combining marks, a few Han-script characters such as 々, and case changes after
+# kana/Hangul; the interop docs give examples). The regex only changes how text is cut before BPE, so
+# any pattern decodes losslessly; a `tokenizer.json` carries its own pattern, so tokenizers trained
+# with an older split still load and encode as trained.
 # the two sides of a word; `&&` intersects sets (Oniguruma, tiktoken's regex, `regex` V1): not Han
 _NOT_HAN_UPPER = r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]"
 _NOT_HAN_LOWER = r"[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]"
@@ -262,7 +258,12 @@ class K3Tokenizer:
         return token_id >= self.base and self.reserved[token_id - self.base].special
 
     def encode(self, text: str, allow_special: bool = False) -> list[int]:
-        """Token ids of ``text``; reserved names become their ids only if ``allow_special``."""
+        """Token ids of ``text``; reserved names become their ids only if ``allow_special``.
+
+        The ordinary BPE knows nothing of reserved names, so a literal ``"<|open|>"`` in ``text`` becomes
+        ordinary byte tokens. (An HF ``tokenizers``/``transformers`` tokenizer built from our
+        ``tokenizer.json`` registers the reserved tokens as added tokens and so always matches them --
+        use this class for untrusted text.)"""
         if not allow_special:
             return self._backend.encode(text)
         ids, pos = [], 0

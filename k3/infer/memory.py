@@ -1,24 +1,7 @@
-"""The engine's memory: the C heap kept for reuse, and decode weights moved into huge pages.
-
-Heap. A prefill allocates and frees tensors of megabytes on every op (k3-small, 2,048 tokens: [2048, 1024]
-fp32 is 8 MB). glibc serves large blocks with their own `mmap` (its threshold adapts up to 32 MB) and
-gives a heap's free top back to the OS past a trim threshold, so most forwards fault their activations
-in again, 4 KB at a time, each page zeroed by the kernel: ~40-100 K page faults per k3-small
-[8, 256] prefill. `keep_freed_memory()` fixes both thresholds (`mallopt`): blocks under 32 MB come from
-the heap and freed memory is kept, so after the first forward the activations reuse resident pages
-(~0.2-20 K faults, the prefill ~6 % faster). The cost is resident memory held at its peak, which an
-inference process reaches on every batch anyway. The engine calls it unless
-`EngineConfig.keep_freed_memory` is off; elsewhere than glibc it does nothing.
-
-Huge pages. Decode streams every active weight once per token, and at batch 1 its speed is the memory
-system's: on the 2-core Sapphire Rapids machine the benches run on, a 256 MB gemv reads 23 GB/s from 4 KB
-pages and 29 GB/s from 2 MB pages (the hardware prefetchers stop at page boundaries, and every 4 KB page
-costs a TLB walk). Linux gives anonymous memory huge pages where it is advised (`MADV_HUGEPAGE`; the
-common `transparent_hugepage=madvise` setting), but torch's allocations are never advised.
-`rehome(model)` copies every CPU parameter and buffer into one anonymous mapping, 2 MB-aligned and
-advised before its first touch, and points the tensors at it (`param.data`, the module's buffer slot):
-the same values, dtypes and shapes, tied tensors still tied, no extra memory once the old storage is
-freed. The model's math does not change; the engine calls this for the native decode step.
+"""The engine's memory outside torch's allocator: glibc's heap kept for the next forward
+(`keep_freed_memory`, `release_free_memory`), and a model's CPU weights moved into transparent huge pages
+for decode (`rehome`). Neither changes any value; both are measured in docs/serving.md and
+docs/benchmarks.md.
 """
 
 import ctypes
@@ -30,6 +13,15 @@ import weakref
 import torch
 
 # ---- the heap ----------------------------------------------------------------------------------------
+# A prefill allocates and frees tensors of megabytes on every op (k3-small, 2,048 tokens: [2048, 1024] fp32
+# is 8 MB). glibc serves large blocks with their own `mmap` (its threshold adapts up to 32 MB) and gives a
+# heap's free top back to the OS past a trim threshold, so most forwards fault their activations in again, 4
+# KB at a time, each page zeroed by the kernel: ~40-100 K page faults per k3-small [8, 256] prefill.
+# `keep_freed_memory()` fixes both thresholds (`mallopt`): blocks under 32 MB come from the heap and freed
+# memory is kept, so after the first forward the activations reuse resident pages (~0.2-20 K faults, the
+# prefill ~6 % faster). The cost is resident memory held at its peak, which an inference process reaches on
+# every batch anyway. The engine calls it unless `EngineConfig.keep_freed_memory` is off; elsewhere than
+# glibc it does nothing.
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters (malloc.h)
 MMAP_THRESHOLD = 32 << 20  # glibc's largest (DEFAULT_MMAP_THRESHOLD_MAX on 64-bit)
 TRIM_THRESHOLD = 2**31 - 1  # mallopt takes an int: ~2 GB of free heap top before a trim, i.e. never
@@ -71,6 +63,15 @@ def release_free_memory() -> bool:
 
 
 # ---- huge pages --------------------------------------------------------------------------------------
+# Decode streams every active weight once per token, and at batch 1 its speed is the memory system's: on the
+# 2-core Sapphire Rapids machine the benches run on, a 256 MB gemv reads 23 GB/s from 4 KB pages and 29 GB/s
+# from 2 MB pages (the hardware prefetchers stop at page boundaries, and every 4 KB page costs a TLB walk).
+# Linux gives anonymous memory huge pages where it is advised (`MADV_HUGEPAGE`; the common
+# `transparent_hugepage=madvise` setting), but torch's allocations are never advised. `rehome(model)` copies
+# every CPU parameter and buffer into one anonymous mapping, 2 MB-aligned and advised before its first
+# touch, and points the tensors at it (`param.data`, the module's buffer slot): the same values, dtypes and
+# shapes, tied tensors still tied, no extra memory once the old storage is freed. The model's math does not
+# change; the engine calls this for the native decode step.
 HUGE = 2 << 20  # x86-64's transparent huge page
 ALIGN = 64  # every tensor starts on a cache line (the kernels' 64-byte loads)
 _done: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()

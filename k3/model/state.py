@@ -32,21 +32,18 @@ from k3.config import K3Config
 
 @dataclass
 class KDAState:
-    """Conv histories [B, C, W-1] (model dtype) and recurrent state [B, H, K, V] (fp32); None = empty.
-
-    `capture_at` (optional, set by the caller for the next call only): per row, a position p with
-    0 < p < T of that call's T tokens (or -1): the layer then also leaves the state after exactly the
-    first p tokens of that row in `captured` (a KDAState of [B, ...] tensors; rows without a capture hold
-    their final state) and clears `capture_at`. The
-    engine uses it to snapshot an aligned position inside a prefill chunk instead of ending the chunk
-    there (one forward instead of two)."""
+    """Conv histories [B, C, W-1] (model dtype) and recurrent state [B, H, K, V] (fp32); None = empty."""
 
     conv_q: torch.Tensor | None = None
     conv_k: torch.Tensor | None = None
     conv_v: torch.Tensor | None = None
     recurrent: torch.Tensor | None = None
+    # set by the caller for the next call only: per row, a position p with 0 < p < T of that call's T
+    # tokens (or -1); the layer then also leaves the state after exactly the first p tokens of that row
+    # in `captured` and clears `capture_at`. The engine snapshots an aligned position inside a prefill
+    # chunk this way instead of ending the chunk there (one forward instead of two).
     capture_at: list[int] | None = None
-    captured: KDAState | None = None
+    captured: KDAState | None = None  # [B, ...] tensors; rows without a capture hold their final state
 
     @classmethod
     def zeros(cls, config: K3Config, batch_size: int, device=None, dtype=torch.bfloat16) -> KDAState:
