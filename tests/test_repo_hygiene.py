@@ -524,3 +524,32 @@ def test_heading_anchors():
     assert heading_anchors(text) == {
         "spec-the-k3-model", "per-head-muon", "situ-glu", "k3-and-torch", "notes", "notes-1",
     }  # fmt: skip
+
+
+# A repository path in tracked text: k3/..., tests/... or bench/... ending in a source or docs suffix. A
+# segment in capitals (`bench/NAME.py`) is a placeholder, not a path.
+SOURCE_PATH = re.compile(r"(?<![\w/.-])((?:k3|tests|bench)/[\w/.-]*\w\.(?:py|c|h|jinja|json|md))\b")
+
+
+def missing_paths(files: dict[str, str], exists) -> list[str]:
+    return [
+        f"{name}: {path}"
+        for name, text in files.items()
+        if name != "CHANGELOG.md"  # it records moved and removed files by name
+        for path in SOURCE_PATH.findall(text)
+        if not any(part.isupper() for part in re.split(r"[/.]", path)) and not exists(path)
+    ]
+
+
+def test_source_paths_resolve():
+    samples = ("tests/test_repo_hygiene.py", "tests/test_docs.py")  # their checkers' made-up paths
+    files = {n: t for n, t in tracked_text_files().items() if n not in samples}
+    bad = missing_paths(files, lambda p: (ROOT / p).exists())
+    assert not bad, "paths to files that do not exist (moved? renamed?):\n" + "\n".join(bad)
+
+
+def test_missing_paths_are_caught():
+    text = "see k3/infer/old_room.py, k3/infer/engine.py and bench/NAME.py"
+    assert missing_paths({"README.md": text}, {"k3/infer/engine.py"}.__contains__) == [
+        "README.md: k3/infer/old_room.py"
+    ]
