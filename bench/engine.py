@@ -85,7 +85,7 @@ class K3Runner:
 
     @property
     def compile_seconds(self) -> float:
-        return sum(e.runner.decode.compile_seconds or 0.0 for e in self.engines.values())
+        return sum(e.runner.decode.torch.compile_seconds or 0.0 for e in self.engines.values())
 
 
 @torch.no_grad()

@@ -88,18 +88,9 @@ def warmed_engine(ckpt: str, max_len: int, chunk: int, compile: bool, lengths: l
     decode(e, rand(a.decode_context), 4)  # compiles the decode step
     for n in lengths:
         prefill(e, rand(n))
-    step = getattr(e.runner, "decode", None)
-    native = getattr(step, "_native", None)  # the whole-model C step, where the engine has one
-    path = (
-        "native"
-        if native not in (None, False, True)
-        else "compiled"
-        if getattr(step, "compile", 0)
-        else "eager"
-    )
-    info = dict(
-        warmup_s=time.perf_counter() - t0, decode_path=path, compile_s=getattr(step, "compile_seconds", None)
-    )
+    step = e.runner.decode  # the backend the engine chose when it was built (k3.infer.decode.backend)
+    path = "native" if step.native is not None else "compiled" if step.torch.compile else "eager"
+    info = dict(warmup_s=time.perf_counter() - t0, decode_path=path, compile_s=step.torch.compile_seconds)
     return (e, rand), info
 
 

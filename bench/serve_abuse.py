@@ -57,7 +57,7 @@ def make_checkpoints(root: Path) -> tuple[Path, Path]:
     from k3.model.init import init_weights
     from k3.model.multimodal import K3VLForCausalLM, init_vl_weights
     from k3.model.transformer import K3ForCausalLM
-    from k3.tokenizer import train_tokenizer
+    from k3.tokenizer_train import train_tokenizer
     from k3.vision.checkpoint import save_vl_checkpoint
     from k3.vision.config import vl_preset
 
@@ -77,7 +77,7 @@ def make_checkpoints(root: Path) -> tuple[Path, Path]:
 
 def body_cap(max_model_len: int = 8192) -> int:
     """The text server's body cap: the running code's default, or 4 MiB where the default is fixed."""
-    from k3.serve.app import ServeConfig
+    from k3.serve.config import ServeConfig
 
     cap = getattr(ServeConfig(max_model_len=max_model_len), "body_cap", None)
     return cap(vision=False) if cap else 4 << 20
@@ -415,7 +415,7 @@ def abuse_cache(srv: Server, attacker: str) -> dict:
 
 def abuse_tool_calls(ckpt: Path) -> dict:
     """The running code's chat path over a generation of ids that spell the markers in text."""
-    import k3.chat_format as cf_
+    import k3.chat_parse as cf_
     from k3.tokenizer import K3Tokenizer
 
     tok = K3Tokenizer.from_dir(ckpt)

@@ -19,7 +19,7 @@ torch.set_num_threads set equal; with fewer threads than cores both are pinned (
 cores. Each round times k3 and llama.cpp in turn (which goes first alternates); the figure is the
 median of the rounds, with min and max beside it.
 
-Serving: one client (bench/serving_client.py) sends N concurrent streamed greedy completions (P random
+Serving: one client (k3.serve.loadgen.burst) sends N concurrent streamed greedy completions (P random
 prompt tokens, exactly M output tokens: ignore_eos) to each server; a short warm-up round per server
 (every slot once) is not counted; every round uses new prompts, the same for both servers. Figures:
 output tokens/s, p50 / p99 time to first token.
@@ -55,7 +55,9 @@ sys.path.insert(0, str(HERE))
 from peers.llamacpp import LlamaCppPeer  # noqa: E402
 from roofline import gguf_bytes, k3_bytes, read_bandwidth, roofline  # noqa: E402
 from same_weights import K3_FORMATS, default_workdir, k3_perplexity, llama_perplexity, prepare  # noqa: E402
-from serving_client import Server, free_port, load  # noqa: E402
+from server_process import Server, free_port  # noqa: E402
+
+from k3.serve.loadgen import burst  # noqa: E402
 
 PEER = "llama.cpp kimi-k3"
 GOALS = dict(prefill=2.0, decode=1.2, serve_tok_s=2.0, roofline=0.6)
@@ -289,11 +291,11 @@ def time_serving(w, threads: int, fmt: tuple[str, str], peer, a, res: dict, erro
             log(f"  {side} server up in {time.perf_counter() - t0:.0f} s")
         vocab = w.config.vocab_size
         for url in urls.values():  # warm-up (every slot, short), not counted
-            asyncio.run(load(url, [p[:16] for p in serve_prompts(a, vocab, -1)], 8))
+            asyncio.run(burst(url, [p[:16] for p in serve_prompts(a, vocab, -1)], 8))
         for r in range(a.serve_reps):
             prompts = serve_prompts(a, vocab, r)
             for side in ["k3", "llama.cpp"] if r % 2 == 0 else ["llama.cpp", "k3"]:
-                out = asyncio.run(load(urls[side], prompts, a.serve_new))
+                out = asyncio.run(burst(urls[side], prompts, a.serve_new))
                 for m in ("tok_per_s", "ttft_p50_s", "ttft_p99_s"):
                     add(res, (threads, side, fmt[0] if side == "k3" else fmt[1], f"serve_{m}"), out[m])
             log(

@@ -1,37 +1,18 @@
+# Long file: the fields, their named checks and the release-file round trip of one config read each other.
 """K3 model configuration: frozen dataclasses whose field names are the official config.json keys.
 
 `K3Config` is the text model (`text_config` of the released checkpoint, `model_type: "kimi_linear"`);
-`LinearAttnConfig` is its nested `linear_attn_config`. `K3Config.from_hf(d)` accepts either the full
-multimodal config (top level `model_type: "kimi_k3"` with a `text_config`) or a bare text config, and
-`to_hf()` gives back the same structure: every key we do not model (HF `PretrainedConfig` defaults, the
-wrapper's `vision_config`, `auto_map`, ...) is kept verbatim in `extra` / `wrapper` so the official file
-round-trips exactly.
+`LinearAttnConfig` is its nested `linear_attn_config`. `from_hf(d)` takes the full multimodal config
+(top level `model_type: "kimi_k3"` around a `text_config`) or a bare text config; `to_hf()` always
+writes the released three-level file (wrapper `KimiK3ForConditionalGeneration` / `kimi_k3` around
+`text_config` `KimiLinearForCausalLM` / `kimi_linear`), so llama.cpp's converter and vLLM pick their
+K3 class from any file k3 writes, and every key we do not model is kept verbatim (`extra`, `wrapper`):
+the official file round-trips exactly. Ablation switches the release does not have are k3 extension
+keys (commented at their fields), written only when they differ from the K3 default.
 
-Ablation switches that the release does not have (docs/spec_training.md; the K2-style counterparts used by
-`k3 ablate`) are k3 extension keys. They are written by `to_hf()` only when they differ from the K3
-default, so an official config stays byte-for-byte official:
-
-    use_attn_res      True: Block AttnRes (docs/spec.md#attnres); False: plain pre-norm residual stream
-    use_latent_moe    True: Stable LatentMoE (docs/spec.md#latentmoe); False: plain MoE, experts at full width
-    bias_update       "quantile": Quantile Balancing (docs/spec_training.md#quantile-balancing);
-                      "sign": DeepSeek-V3 aux-free sign update
-    bias_update_rate  step size of the sign update (ignored by Quantile Balancing)
-    rope_theta        RoPE base, used only when mla_use_nope is False (K2-style RoPE MLA)
-    mla_latent_norm_eps  eps of q_a/kv_a latent norms; sources differ (docs/spec.md#choices): we follow
-                      vLLM (rms_norm_eps)
-
-`hidden_act` selects the GLU: "situ" (K3's SiTU-GLU, docs/spec.md#situ-glu) or "silu" (SwiGLU).
-
-Release layout. `to_hf()` always writes the released three-level file: the wrapper
-(`architectures: ["KimiK3ForConditionalGeneration"]`, `model_type: "kimi_k3"`, token ids, dtype) around
-`text_config` (`architectures: ["KimiLinearForCausalLM"]`, `model_type: "kimi_linear"`), so llama.cpp's
-converter and vLLM pick their K3 class from any file k3 writes. A bare text config still loads.
-
-Invariants. Construction rejects what no K3 engine can run: KDA and MLA head counts differ (llama.cpp and
-vLLM size both from `num_attention_heads`), a non-sigmoid router, MXFP4 experts whose widths are not
-whole 32-element blocks. The ablation switches stay constructible (`k3 ablate` trains them), but the
-release format cannot express them: `release_problems()` names each one, and every exporter refuses a
-config that has any.
+Construction rejects what no K3 engine can run (one named check per concern); the release format
+cannot express the ablation switches, so `release_problems()` names each one and every exporter
+refuses a config that has any.
 """
 
 from __future__ import annotations
@@ -144,7 +125,7 @@ class K3Config:
     rms_norm_eps: float = 1e-5
     max_position_embeddings: int = 1048576
     tie_word_embeddings: bool = False
-    hidden_act: str = "situ"
+    hidden_act: str = "situ"  # the GLU: "situ" (SiTU-GLU, docs/spec.md#situ-glu) or "silu" (SwiGLU)
     activation_situ_beta: float = 4.0
     activation_situ_linear_beta: float = 25.0
     initializer_range: float = 0.02
@@ -185,12 +166,17 @@ class K3Config:
     num_nextn_predict_layers: int = 0
     quantization_config: dict | None = None
     model_type: str = "kimi_linear"
-    # k3 extension keys (ablation switches); written by to_hf() only when they differ from these defaults
-    use_attn_res: bool = True
-    use_latent_moe: bool = True
+    # k3 extension keys (ablation switches, docs/spec_training.md; `k3 ablate`); written by to_hf() only
+    # when they differ from these defaults, so an official config stays byte-for-byte official
+    use_attn_res: bool = True  # Block AttnRes (docs/spec.md#attnres); False: plain pre-norm residual stream
+    use_latent_moe: bool = True  # Stable LatentMoE (docs/spec.md#latentmoe); False: experts at full width
+    # "quantile": Quantile Balancing (docs/spec_training.md#quantile-balancing); "sign": DeepSeek-V3's
+    # aux-free sign update
     bias_update: str = "quantile"
-    bias_update_rate: float = 1e-3
-    rope_theta: float = 10000.0
+    bias_update_rate: float = 1e-3  # step size of the sign update (Quantile Balancing ignores it)
+    rope_theta: float = 10000.0  # RoPE base, used only when mla_use_nope is False (K2-style RoPE MLA)
+    # eps of the q_a / kv_a latent norms; sources differ (docs/spec.md#choices): None follows vLLM
+    # (rms_norm_eps)
     mla_latent_norm_eps: float | None = None
     # everything else from the file, kept verbatim
     extra: dict = field(default_factory=dict, compare=False, repr=False)

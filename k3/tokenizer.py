@@ -12,23 +12,8 @@ where ``base = 163584`` (163,584 tiktoken ranks) and ``vocab_size = 163840``:
 Other slots are ``<|reserved_token_ID|>`` (ID = the absolute id). All reserved tokens are "special"
 (dropped by ``decode(skip_special=True)``) except the XTML markers ``<|open|> <|close|> <|sep|>``.
 
-Forgery. The ordinary BPE knows nothing of reserved names, so ``encode(text)`` turns a literal
-``"<|open|>"`` into ordinary byte tokens; only ``encode(text, allow_special=True)`` maps reserved
-names to their ids. (An HF ``tokenizers``/``transformers`` tokenizer built from our ``tokenizer.json``
-registers the reserved tokens as added tokens and so always matches them -- use this class for
-untrusted text.)
-
-Pre-tokenisation. Kimi K2's split (docs/spec_text.md#tokenizer gives K3 K2's regex, unverified there, §8.9;
-llama.cpp's converter assumes the same), PRE_TOKENIZER_PATTERN: Han runs; letter runs of one case shape
-(capitals then lower case, or capitals only; Han excluded, marks included) with one optional leading
-non-letter and an optional English contraction; digit groups of at most 3; punctuation runs with trailing
-newlines; newline runs; other whitespace. It is the ``pat_str`` that the release's
-``tokenization_kimi.py`` gives tiktoken, so a trained tokenizer exported as ``tiktoken.model`` encodes
-identically under tiktoken, and a GGUF can declare llama.cpp's ``kimi-k2`` pre-tokenizer (which departs
-from the regex on combining marks, a few Han-script characters such as 々, and case changes after
-kana/Hangul; the interop docs give examples). The regex only changes how text is cut before BPE, so
-any pattern decodes losslessly; a ``tokenizer.json`` carries its own pattern, so tokenizers trained
-with an older split still load and encode as trained.
+Forgery: ordinary text never encodes to a reserved id (`K3Tokenizer.encode`). Pre-tokenisation: Kimi
+K2's split (`PRE_TOKENIZER_PATTERN`, commented there).
 
 Backends. A trained tokenizer uses HF ``tokenizers`` (byte-level BPE). :meth:`K3Tokenizer.save` writes
 ``tokenizer.json`` (HF), ``tiktoken.model`` (the release's base64-token/rank lines, ranks = ids) and
@@ -37,8 +22,7 @@ Backends. A trained tokenizer uses HF ``tokenizers`` (byte-level BPE). :meth:`K3
 official ``tiktoken.model`` through the optional ``tiktoken`` package. :mod:`k3.tokenizer_export` has the
 rank and GGUF views (:meth:`K3Tokenizer.gguf_vocab`).
 
-Caching: :func:`load_or_train_tokenizer` keeps trained tokenizers in
-``$K3_CACHE_DIR/tokenizers/<corpus fingerprint>-<vocab_size>/`` (default ``~/.cache/k3``).
+Training and the cache of trained tokenizers are :mod:`k3.tokenizer_train`.
 """
 
 from __future__ import annotations
@@ -47,12 +31,11 @@ import base64
 import json
 import os
 import re
-import shutil
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from k3.tokenizer_export import GGUFVocab, gguf_vocab, merges_from_ranks, token_bytes, write_tiktoken_model
+from k3.tokenizer_export import gguf_vocab, merges_from_ranks, token_bytes, write_tiktoken_model
 
 NUM_RESERVED = 256
 MIN_VOCAB_SIZE = 256 + NUM_RESERVED  # every byte plus the reserved block
@@ -60,6 +43,17 @@ DEFAULT_VOCAB_SIZE = 8192
 DEFAULT_MAX_TRAIN_BYTES = 256 * 2**20  # the stdlib (~31 MB) trains in full
 DEFAULT_MODEL_MAX_LENGTH = 1_048_576  # config.json max_position_embeddings
 FORMAT_VERSION = 2  # what a cached tokenizer encodes (2: Kimi K2's split); another version is retrained
+# Pre-tokenisation. Kimi K2's split (docs/spec_text.md#tokenizer gives K3 K2's regex, unverified there, §8.9;
+# llama.cpp's converter assumes the same), PRE_TOKENIZER_PATTERN: Han runs; letter runs of one case shape
+# (capitals then lower case, or capitals only; Han excluded, marks included) with one optional leading
+# non-letter and an optional English contraction; digit groups of at most 3; punctuation runs with trailing
+# newlines; newline runs; other whitespace. It is the `pat_str` that the release's
+# `tokenization_kimi.py` gives tiktoken, so a trained tokenizer exported as `tiktoken.model` encodes
+# identically under tiktoken, and a GGUF can declare llama.cpp's `kimi-k2` pre-tokenizer (which departs
+# from the regex on combining marks, a few Han-script characters such as 々, and case changes after
+# kana/Hangul; the interop docs give examples). The regex only changes how text is cut before BPE, so
+# any pattern decodes losslessly; a `tokenizer.json` carries its own pattern, so tokenizers trained
+# with an older split still load and encode as trained.
 # the two sides of a word; `&&` intersects sets (Oniguruma, tiktoken's regex, `regex` V1): not Han
 _NOT_HAN_UPPER = r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]"
 _NOT_HAN_LOWER = r"[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]"
@@ -182,6 +176,22 @@ def _import_tiktoken():
     return tiktoken
 
 
+def byte_level_bpe(model):
+    """An HF ``tokenizers.Tokenizer`` over the BPE ``model``, cut by PRE_TOKENIZER_PATTERN (read when
+    called) and then byte-level: what trained and GGUF-read tokenizers alike encode with."""
+    from tokenizers import Regex, Tokenizer, decoders, pre_tokenizers
+
+    tok = Tokenizer(model)
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(PRE_TOKENIZER_PATTERN), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel()
+    return tok
+
+
 class K3Tokenizer:
     """Ordinary BPE ids ``[0, base)`` plus the reserved block ``[base, base+256)``; see the module doc."""
 
@@ -205,6 +215,11 @@ class K3Tokenizer:
         self.pat_str = pat_str
         self.model_max_length = model_max_length
         self.max_train_bytes = max_train_bytes  # None unless trained here
+
+    @classmethod
+    def from_hf_tokenizer(cls, tok, base: int, reserved=None, **meta) -> K3Tokenizer:
+        """Over an HF ``tokenizers.Tokenizer`` holding the ordinary ids only (no added tokens)."""
+        return cls(_HFBackend(tok), base, reserved, **meta)
 
     @property
     def vocab_size(self) -> int:
@@ -243,7 +258,12 @@ class K3Tokenizer:
         return token_id >= self.base and self.reserved[token_id - self.base].special
 
     def encode(self, text: str, allow_special: bool = False) -> list[int]:
-        """Token ids of ``text``; reserved names become their ids only if ``allow_special``."""
+        """Token ids of ``text``; reserved names become their ids only if ``allow_special``.
+
+        The ordinary BPE knows nothing of reserved names, so a literal ``"<|open|>"`` in ``text`` becomes
+        ordinary byte tokens. (An HF ``tokenizers``/``transformers`` tokenizer built from our
+        ``tokenizer.json`` registers the reserved tokens as added tokens and so always matches them --
+        use this class for untrusted text.)"""
         if not allow_special:
             return self._backend.encode(text)
         ids, pos = [], 0
@@ -262,7 +282,7 @@ class K3Tokenizer:
     ) -> str:
         """Text of ``ids``; special reserved tokens are dropped if ``skip_special``, markers always kept.
         ``reserved_text`` maps reserved ids to the text they decode to instead of their names (the chat
-        parser marks its markers with characters no decoded text holds, `k3.chat_format.MARKED`)."""
+        parser marks its markers with characters no decoded text holds, `k3.chat_parse.MARKED`)."""
         parts, run = [], []
         for i in map(int, ids):
             if not 0 <= i < self.vocab_size:
@@ -425,157 +445,3 @@ def _load_tiktoken(path: Path, cfg: dict, meta: dict) -> K3Tokenizer:
             )
     backend = _TiktokenBackend(ranks, meta.get("pat_str", PRE_TOKENIZER_PATTERN))
     return K3Tokenizer(backend, base, reserved, **meta)
-
-
-# ---- training ----------------------------------------------------------------------------------------
-
-
-def train_tokenizer(
-    texts: Iterable[str], vocab_size: int = DEFAULT_VOCAB_SIZE, max_train_bytes: int = DEFAULT_MAX_TRAIN_BYTES
-) -> K3Tokenizer:
-    """Train byte-level BPE on ``texts`` (its first ``max_train_bytes`` UTF-8 bytes) to ``vocab_size`` ids.
-
-    ``vocab_size`` counts the 256 reserved ids, so BPE learns ``vocab_size - 512`` merges on top of the
-    256 byte tokens. If the text supports fewer merges, the unused ordinary ids are filled with
-    unreachable ``<|unused_ID|>`` entries so the id layout stays fixed; text that yields no merge at all
-    while the vocabulary has room for some is refused (llama.cpp needs merges in a BPE vocabulary).
-    """
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    if vocab_size < MIN_VOCAB_SIZE:
-        raise ValueError(
-            f"vocab_size must be >= {MIN_VOCAB_SIZE} (256 bytes + 256 reserved), got {vocab_size}"
-        )
-    base = vocab_size - NUM_RESERVED
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Split(Regex(PRE_TOKENIZER_PATTERN), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ]
-    )
-    tok.decoder = decoders.ByteLevel()
-    alphabet = pre_tokenizers.ByteLevel.alphabet()
-    trainer = trainers.BpeTrainer(vocab_size=base, initial_alphabet=alphabet, show_progress=False)
-    tok.train_from_iterator(_take_bytes(texts, max_train_bytes), trainer)
-    if base > 256 and tok.get_vocab_size() == 256:
-        raise ValueError(f"texts yield no BPE merge (vocab_size {vocab_size} has room for {base - 256})")
-    if tok.get_vocab_size() < base:
-        data = json.loads(tok.to_str())
-        data["model"]["vocab"] |= {f"<|unused_{i}|>": i for i in range(tok.get_vocab_size(), base)}
-        tok = Tokenizer.from_str(json.dumps(data))
-    return K3Tokenizer(_HFBackend(tok), base, max_train_bytes=max_train_bytes)
-
-
-def _take_bytes(texts: Iterable[str], max_bytes: int) -> Iterable[str]:
-    """The leading texts whose UTF-8 size sums to at most ``max_bytes`` (the last one cut)."""
-    left = max_bytes
-    for t in texts:
-        if left <= 0:
-            return
-        b = t.encode("utf-8")
-        yield t if len(b) <= left else b[:left].decode("utf-8", errors="ignore")
-        left -= len(b)
-
-
-def default_cache_dir() -> Path:
-    """``$K3_CACHE_DIR``, else ``~/.cache/k3``: the root of every k3 cache."""
-    return Path(os.environ.get("K3_CACHE_DIR") or "~/.cache/k3").expanduser()
-
-
-def tokenizer_cache_path(
-    fingerprint: str, vocab_size: int, cache_dir: str | os.PathLike | None = None
-) -> Path:
-    """``<cache_dir or default_cache_dir()>/tokenizers/<fingerprint>-<vocab_size>``."""
-    return Path(cache_dir or default_cache_dir()) / "tokenizers" / f"{fingerprint}-{vocab_size}"
-
-
-def load_or_train_tokenizer(
-    fingerprint: str,
-    texts_fn: Callable[[], Iterable[str]],
-    vocab_size: int = DEFAULT_VOCAB_SIZE,
-    cache_dir: str | os.PathLike | None = None,
-    max_train_bytes: int = DEFAULT_MAX_TRAIN_BYTES,
-) -> K3Tokenizer:
-    """The valid cached tokenizer for ``fingerprint``, else one trained on ``texts_fn()`` (then cached).
-
-    ``texts_fn`` is only called on a cache miss, so a hit does not even load the corpus.
-    """
-    path = tokenizer_cache_path(fingerprint, vocab_size, cache_dir)
-    cached = _load_cached(path, vocab_size, max_train_bytes)
-    if cached is not None:
-        return cached
-    tok = train_tokenizer(texts_fn(), vocab_size, max_train_bytes)
-    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
-    tok.save(tmp)
-    if path.exists():  # stale or foreign: replace
-        shutil.rmtree(path, ignore_errors=True)
-    try:
-        os.rename(tmp, path)
-    except OSError:  # another process won the race; its copy is as good as ours
-        shutil.rmtree(tmp, ignore_errors=True)
-    return tok
-
-
-def _load_cached(path: Path, vocab_size: int, max_train_bytes: int) -> K3Tokenizer | None:
-    want = dict(format_version=FORMAT_VERSION, vocab_size=vocab_size, max_train_bytes=max_train_bytes)
-    try:
-        k3 = json.loads((path / "tokenizer_config.json").read_text())["k3"]
-        return K3Tokenizer.from_dir(path) if all(k3.get(k) == v for k, v in want.items()) else None
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return None
-
-
-def bytes_per_token(tokenizer: K3Tokenizer, texts: Iterable[str]) -> float:
-    """UTF-8 bytes per token over ``texts`` (compression; higher is better)."""
-    texts = list(texts)
-    n_tokens = sum(len(ids) for ids in tokenizer.encode_batch(texts))
-    if n_tokens == 0:
-        raise ValueError("texts must contain at least one non-empty text")
-    return sum(len(t.encode("utf-8")) for t in texts) / n_tokens
-
-
-_MARKERS = ("<|open|>", "<|close|>", "<|sep|>")  # reserved but not special: decode keeps them
-
-
-def tokenizer_from_gguf_vocab(vocab: GGUFVocab) -> K3Tokenizer:
-    """Inverse of :func:`k3.tokenizer_export.gguf_vocab`: a K3Tokenizer from a GGUF's ``tokenizer.ggml.*``
-    values.
-
-    The ordinary ids ``0 .. n-257`` and the merges make an HF ``tokenizers`` byte-level BPE (as
-    :func:`k3.tokenizer.train_tokenizer` builds) cut by Kimi K2's split; the last 256 tokens are the
-    reserved block, named as in the file. Raises ValueError for a vocabulary this cannot reproduce: a
-    model other than ``gpt2``, a pre-tokenizer other than ``kimi-k2``, or fewer than 512 tokens."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-
-    if vocab.model != "gpt2":
-        raise ValueError(f"tokenizer.ggml.model is {vocab.model!r}; k3 reads byte-level BPE ('gpt2') only")
-    if vocab.pre != "kimi-k2":
-        raise ValueError(
-            f"tokenizer.ggml.pre is {vocab.pre!r}; k3 reproduces only Kimi K2's split ('kimi-k2')"
-        )
-    n = len(vocab.tokens)
-    if n < MIN_VOCAB_SIZE:
-        raise ValueError(f"tokenizer.ggml.tokens holds {n} tokens, fewer than {MIN_VOCAB_SIZE}")
-    base = n - NUM_RESERVED
-    ordinary = {s: i for i, s in enumerate(vocab.tokens[:base])}
-    if len(ordinary) != base:
-        raise ValueError("tokenizer.ggml.tokens repeats an ordinary token")
-    merges = []
-    for m in vocab.merges:
-        a, sep, b = m.partition(" ")
-        if not sep or " " in b:
-            raise ValueError(f"tokenizer.ggml.merges holds {m!r}, not 'a b'")
-        merges.append((a, b))
-    tok = Tokenizer(models.BPE(vocab=ordinary, merges=merges))
-    tok.pre_tokenizer = pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Split(Regex(PRE_TOKENIZER_PATTERN), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ]
-    )
-    tok.decoder = decoders.ByteLevel()
-    reserved = [
-        ReservedToken(base + j, name, name not in _MARKERS) for j, name in enumerate(vocab.tokens[base:])
-    ]
-    return K3Tokenizer(_HFBackend(tok), base, reserved)

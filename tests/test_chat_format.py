@@ -5,8 +5,9 @@ import json
 
 import pytest
 
-from k3.chat_format import ChatOptions, encode_chat, parse_generation, render, to_text
-from k3.tokenizer import train_tokenizer
+from k3.chat_format import ChatOptions, encode_chat, render, to_text
+from k3.chat_parse import parse_generation
+from k3.tokenizer_train import train_tokenizer
 
 O, C, S = "<|open|>", "<|close|>", "<|sep|>"
 

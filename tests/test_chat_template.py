@@ -16,7 +16,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from k3.chat_format import ChatOptions, chat_template, encode_segments, render, to_text
 from k3.data.corpus import load_corpus
-from k3.tokenizer import train_tokenizer
+from k3.tokenizer_train import train_tokenizer
 
 BUILD_COMMAND = "bench/peers/llamacpp.sh"
 

@@ -38,6 +38,7 @@ MACHINE_PATH = re.compile(r"(?<![\w.~/-])/(?:work|root|Users|home/[^/\s]+)/")
 MACHINE_TALK = re.compile(r"\bthis (?:machine|VM|host)\b|\btoday'?s?\b|\bso far\b", re.IGNORECASE)
 DOC_LINK = re.compile(r"\bdocs/([\w-]+\.md)\b")
 
+ENGINE_CORE = ("k3.infer.model_runner", "k3.infer.scheduler", "k3.infer.engine", "k3.infer.async_engine")
 # module prefix -> k3 subpackages it must never import
 FORBIDDEN = {
     "k3.config": ("k3.ops", "k3.model", "k3.train", "k3.infer", "k3.serve", "k3.parallel"),
@@ -45,6 +46,11 @@ FORBIDDEN = {
     "k3.model": ("k3.train", "k3.infer", "k3.serve", "k3.parallel", "k3.optim", "torch.distributed"),
     "k3.optim": ("k3.model", "k3.train", "k3.infer", "k3.serve"),
     "k3.serve": ("k3.model",),
+    # the engine's rooms, bottom up: memory, cache (pools, prefix cache, paged MLA), decode (the torch and
+    # native steps), then the engine core (runner, scheduler, engine, async engine) over them
+    "k3.infer.memory": ("k3.infer.cache", "k3.infer.decode", *ENGINE_CORE),
+    "k3.infer.cache": ("k3.infer.decode", *ENGINE_CORE),
+    "k3.infer.decode": ENGINE_CORE,
 }
 
 
@@ -308,6 +314,39 @@ def test_machine_talk_is_caught(text, bad):
     assert bool(machine_talk(text)) == bad
 
 
+MAX_SOURCE_LINES = 450  # a k3 source file longer than this says why on its first line
+
+
+def long_files_without_reason(root: Path = ROOT) -> list[str]:
+    """k3 source files (Python, C, headers) over MAX_SOURCE_LINES whose first line is not a comment
+    starting `Long file:` with the reason."""
+    bad = []
+    for path in sorted((root / "k3").rglob("*")):
+        if path.suffix not in (".py", ".c", ".h"):
+            continue
+        lines = path.read_text().splitlines()
+        first = lines[0].lstrip("#/* ") if lines else ""
+        if len(lines) > MAX_SOURCE_LINES and not first.startswith("Long file: "):
+            bad.append(f"{path.relative_to(root)}: {len(lines)} lines")
+    return bad
+
+
+def test_long_source_files_say_why():
+    bad = long_files_without_reason()
+    assert not bad, (
+        f"k3 files over {MAX_SOURCE_LINES} lines without a `Long file: <reason>` first line:\n"
+        + ("\n".join(bad))
+    )
+
+
+def test_long_file_rule_is_checked(tmp_path):
+    (tmp_path / "k3").mkdir()
+    (tmp_path / "k3/big.py").write_text("x = 1\n" * (MAX_SOURCE_LINES + 1))
+    (tmp_path / "k3/big.c").write_text("/* Long file: one table. */\n" + "int x;\n" * MAX_SOURCE_LINES)
+    (tmp_path / "k3/small.py").write_text("x = 1\n" * MAX_SOURCE_LINES)
+    assert long_files_without_reason(tmp_path) == [f"k3/big.py: {MAX_SOURCE_LINES + 1} lines"]
+
+
 def test_docs_pages_are_short():
     long = {
         p.name: n
@@ -485,3 +524,32 @@ def test_heading_anchors():
     assert heading_anchors(text) == {
         "spec-the-k3-model", "per-head-muon", "situ-glu", "k3-and-torch", "notes", "notes-1",
     }  # fmt: skip
+
+
+# A repository path in tracked text: k3/..., tests/... or bench/... ending in a source or docs suffix. A
+# segment in capitals (`bench/NAME.py`) is a placeholder, not a path.
+SOURCE_PATH = re.compile(r"(?<![\w/.-])((?:k3|tests|bench)/[\w/.-]*\w\.(?:py|c|h|jinja|json|md))\b")
+
+
+def missing_paths(files: dict[str, str], exists) -> list[str]:
+    return [
+        f"{name}: {path}"
+        for name, text in files.items()
+        if name != "CHANGELOG.md"  # it records moved and removed files by name
+        for path in SOURCE_PATH.findall(text)
+        if not any(part.isupper() for part in re.split(r"[/.]", path)) and not exists(path)
+    ]
+
+
+def test_source_paths_resolve():
+    samples = ("tests/test_repo_hygiene.py", "tests/test_docs.py")  # their checkers' made-up paths
+    files = {n: t for n, t in tracked_text_files().items() if n not in samples}
+    bad = missing_paths(files, lambda p: (ROOT / p).exists())
+    assert not bad, "paths to files that do not exist (moved? renamed?):\n" + "\n".join(bad)
+
+
+def test_missing_paths_are_caught():
+    text = "see k3/infer/old_room.py, k3/infer/engine.py and bench/NAME.py"
+    assert missing_paths({"README.md": text}, {"k3/infer/engine.py"}.__contains__) == [
+        "README.md: k3/infer/old_room.py"
+    ]

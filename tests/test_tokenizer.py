@@ -11,15 +11,10 @@ import pytest
 import regex
 
 import k3.tokenizer as tk
+import k3.tokenizer_train as tokenizer_train
 from k3.chat_format import chat_template
 from k3.data.corpus import load_corpus
-from k3.tokenizer import (
-    K3Tokenizer,
-    bytes_per_token,
-    load_or_train_tokenizer,
-    reserved_tokens,
-    train_tokenizer,
-)
+from k3.tokenizer import K3Tokenizer, reserved_tokens
 from k3.tokenizer_export import (
     CONTROL,
     NORMAL,
@@ -29,6 +24,7 @@ from k3.tokenizer_export import (
     token_bytes,
     token_string,
 )
+from k3.tokenizer_train import bytes_per_token, load_or_train_tokenizer, train_tokenizer
 
 VOCAB = 1024
 BASE = VOCAB - 256
@@ -346,7 +342,9 @@ def test_cache_hit_avoids_retraining(tmp_path, monkeypatch):
     first = load_or_train_tokenizer("fp123", texts, vocab_size=600)
     assert (tmp_path / "env_cache/tokenizers/fp123-600/tokenizer.json").is_file()
     assert (tmp_path / "env_cache/tokenizers/fp123-600/tiktoken.model").is_file()
-    monkeypatch.setattr(tk, "train_tokenizer", lambda *a, **k: pytest.fail("retrained on a cache hit"))
+    monkeypatch.setattr(
+        tokenizer_train, "train_tokenizer", lambda *a, **k: pytest.fail("retrained on a cache hit")
+    )
     second = load_or_train_tokenizer("fp123", texts, vocab_size=600)
     assert calls == [1]
     assert second.encode(SAMPLES[3]) == first.encode(SAMPLES[3])

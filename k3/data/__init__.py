@@ -39,7 +39,8 @@ from k3.data.packing import (
     tokenize_documents,
 )
 from k3.data.rows import ShuffledRows
-from k3.tokenizer import DEFAULT_VOCAB_SIZE, K3Tokenizer, load_or_train_tokenizer, tokenizer_cache_path
+from k3.tokenizer import DEFAULT_VOCAB_SIZE, K3Tokenizer
+from k3.tokenizer_train import load_or_train_tokenizer, tokenizer_cache_path
 
 __all__ = [
     "DEFAULT_VAL_PERCENT",

@@ -10,7 +10,7 @@ converter and quantizer write):
   are those with one KV head. Keys the file does not hold (training settings such as initializer_range
   or bias_update) take K3Config's defaults; they do not change inference. A head equal byte for byte to
   the embedding means tied embeddings;
-* `tokenizer.ggml.*` -> K3Tokenizer (`k3.tokenizer.tokenizer_from_gguf_vocab`): the `gpt2` model
+* `tokenizer.ggml.*` -> K3Tokenizer (`tokenizer_from_gguf_vocab`): the `gpt2` model
   with the `kimi-k2` pre-tokenizer, its tokens and merges; the last 256 ids are the reserved block;
 * `tokenizer.chat_template` -> `GGUFCheckpoint.chat_template` (the text, or None);
 * tensors (`k3.quant.ggml`): F32, F16, BF16, Q8_0, Q4_0 and MXFP4, mapped back to our state_dict by
@@ -34,6 +34,7 @@ from k3.config import K3Config, LinearAttnConfig
 
 if TYPE_CHECKING:
     from k3.tokenizer import K3Tokenizer
+    from k3.tokenizer_export import GGUFVocab
 
 ARCH = "kimi-k3"
 _ROUTED = ("ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight")
@@ -197,8 +198,7 @@ def _config(reader) -> K3Config:
 
 # ---- tokenizer and chat template --------------------------------------------------------------------
 def tokenizer_from_fields(fields: dict) -> K3Tokenizer:
-    """K3Tokenizer from the `tokenizer.ggml.*` keys (see k3.tokenizer.tokenizer_from_gguf_vocab)."""
-    from k3.tokenizer import tokenizer_from_gguf_vocab
+    """K3Tokenizer from the `tokenizer.ggml.*` keys (see `tokenizer_from_gguf_vocab`)."""
     from k3.tokenizer_export import GGUFVocab
 
     merges = _value(fields, "tokenizer.ggml.merges", [])
@@ -210,6 +210,47 @@ def tokenizer_from_fields(fields: dict) -> K3Tokenizer:
         pre=str(_value(fields, "tokenizer.ggml.pre", "default")),
     )
     return tokenizer_from_gguf_vocab(vocab)
+
+
+_MARKERS = ("<|open|>", "<|close|>", "<|sep|>")  # reserved but not special: decode keeps them
+
+
+def tokenizer_from_gguf_vocab(vocab: GGUFVocab) -> K3Tokenizer:
+    """Inverse of :func:`k3.tokenizer_export.gguf_vocab`: a K3Tokenizer from a GGUF's ``tokenizer.ggml.*``
+    values.
+
+    The ordinary ids ``0 .. n-257`` and the merges make an HF ``tokenizers`` byte-level BPE (as
+    :func:`k3.tokenizer_train.train_tokenizer` builds) cut by Kimi K2's split; the last 256 tokens are the
+    reserved block, named as in the file. Raises ValueError for a vocabulary this cannot reproduce: a
+    model other than ``gpt2``, a pre-tokenizer other than ``kimi-k2``, or fewer than 512 tokens."""
+    from tokenizers import models
+
+    from k3.tokenizer import MIN_VOCAB_SIZE, NUM_RESERVED, K3Tokenizer, ReservedToken, byte_level_bpe
+
+    if vocab.model != "gpt2":
+        raise ValueError(f"tokenizer.ggml.model is {vocab.model!r}; k3 reads byte-level BPE ('gpt2') only")
+    if vocab.pre != "kimi-k2":
+        raise ValueError(
+            f"tokenizer.ggml.pre is {vocab.pre!r}; k3 reproduces only Kimi K2's split ('kimi-k2')"
+        )
+    n = len(vocab.tokens)
+    if n < MIN_VOCAB_SIZE:
+        raise ValueError(f"tokenizer.ggml.tokens holds {n} tokens, fewer than {MIN_VOCAB_SIZE}")
+    base = n - NUM_RESERVED
+    ordinary = {s: i for i, s in enumerate(vocab.tokens[:base])}
+    if len(ordinary) != base:
+        raise ValueError("tokenizer.ggml.tokens repeats an ordinary token")
+    merges = []
+    for m in vocab.merges:
+        a, sep, b = m.partition(" ")
+        if not sep or " " in b:
+            raise ValueError(f"tokenizer.ggml.merges holds {m!r}, not 'a b'")
+        merges.append((a, b))
+    tok = byte_level_bpe(models.BPE(vocab=ordinary, merges=merges))
+    reserved = [
+        ReservedToken(base + j, name, name not in _MARKERS) for j, name in enumerate(vocab.tokens[base:])
+    ]
+    return K3Tokenizer.from_hf_tokenizer(tok, base, reserved)
 
 
 def read_gguf_tokenizer(path: str | Path) -> K3Tokenizer:

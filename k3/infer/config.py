@@ -1,39 +1,36 @@
-"""Engine configuration (frozen dataclass, checked in __post_init__)."""
+"""The engine's configuration: a frozen dataclass, every field checked on construction."""
 
 from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """Memory is sized up front: `num_pages` MLA pages of `page_size` tokens (shared by all MLA layers'
-    pools) and `max_num_seqs` KDA state slots. One step feeds at most `max_num_batched_tokens` prompt
-    tokens (its decode rows ride outside that budget), a prefill chunk at most `max_prefill_chunk`. The
-    prefix cache matches in units of `prefix_unit` tokens and keeps KDA snapshots within
-    `snapshot_budget_bytes`, at most `snapshots_per_path` on one conversation's chain.
-    `capture_snapshots`: the KDA state at the last aligned position before a prompt's final token is
-    captured inside the prompt's last chunk (k3.model.state.KDAState.capture_at) instead of ending a chunk
-    there, which costs a second, short forward per prompt. `compile` compiles the batch-1 decode step into
-    one graph (k3.infer.decode_step) and fuses the SiTU activations of prefill
-    (k3.ops.glu.fused_activations): a C++ compiler at run time, tens of seconds once. `native` runs
-    one-token rows (decode) through the whole-model C step where the model qualifies
-    (k3.infer.native_decode: fp32 on the CPU, the release's K3 config); `compile` then only matters where
-    it does not. `keep_freed_memory` keeps freed activations in the process's C heap for the next forward
-    instead of faulting them in again (k3.infer.heap; process-wide, glibc only)."""
+    """Memory is sized up front: pages of MLA latents shared by all MLA layers' pools, and KDA state slots."""
 
-    page_size: int = 64
-    num_pages: int = 512
-    max_num_seqs: int = 32
-    max_num_batched_tokens: int = 2048
-    max_prefill_chunk: int = 1024
+    page_size: int = 64  # tokens per MLA page
+    num_pages: int = 512  # MLA pages (each layer's pool holds num_pages * page_size latent rows)
+    max_num_seqs: int = 32  # KDA state slots: sequences running at once
+    max_num_batched_tokens: int = 2048  # prompt tokens one step feeds (its decode rows ride outside it)
+    max_prefill_chunk: int = 1024  # tokens of one prefill chunk
     max_model_len: int = 8192
     enable_prefix_cache: bool = True
-    prefix_unit: int = 64
-    snapshot_budget_bytes: int = 1 << 30
-    snapshots_per_path: int = 4
-    capture_snapshots: bool = True  # snapshot inside the last prompt chunk, not by pausing there
-    compile: bool = False  # torch.compile the batch-1 decode step and the prefill activations
-    native: bool = True  # decode rows through the C step (k3.infer.native_decode) where it qualifies
-    keep_freed_memory: bool = True  # glibc keeps freed activations for reuse (k3.infer.heap)
+    prefix_unit: int = 64  # the prefix cache matches in units of this many tokens
+    snapshot_budget_bytes: int = 1 << 30  # KDA snapshots the prefix cache keeps
+    snapshots_per_path: int = 4  # at most this many snapshots on one conversation's chain
+    # the KDA state at the last aligned position before a prompt's final token is captured inside the
+    # prompt's last chunk (k3.model.state.KDAState.capture_at) instead of ending a chunk there, which
+    # costs a second, short forward per prompt
+    capture_snapshots: bool = True
+    # torch.compile the batch-1 decode step into one graph (k3.infer.decode.torch_step) and fuse the SiTU
+    # activations of prefill (k3.ops.glu.fused_activations): a C++ compiler at run time, tens of seconds
+    # once; it matters only where the native step does not run
+    compile: bool = False
+    # one-token rows through the whole-model C step (k3.infer.decode.native_step) where the model
+    # qualifies: fp32 on the CPU, the release's K3 config
+    native: bool = True
+    # glibc keeps freed activations in the C heap for the next forward instead of faulting them in again
+    # (k3.infer.memory; process-wide, glibc only)
+    keep_freed_memory: bool = True
 
     def __post_init__(self):
         for name in (

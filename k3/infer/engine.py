@@ -14,11 +14,11 @@ from dataclasses import dataclass
 
 import torch
 
-from k3.infer import heap
+from k3.infer import memory
+from k3.infer.cache.prefix_cache import chain_hashes
 from k3.infer.config import EngineConfig
 from k3.infer.media import check_media
 from k3.infer.model_runner import ModelRunner
-from k3.infer.prefix_cache import chain_hashes
 from k3.infer.sampler import logprobs, sample
 from k3.infer.scheduler import Scheduler
 from k3.infer.sequence import SamplingParams, Sequence, Status
@@ -80,7 +80,7 @@ class Engine:
         self.model, self.tokenizer = model.eval(), tokenizer
         make_head_column_major(model)
         if self.config.keep_freed_memory:
-            heap.keep_freed_memory()
+            memory.keep_freed_memory()
         self.eos_token_id = (
             eos_token_id
             if eos_token_id is not None

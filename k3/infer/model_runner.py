@@ -4,24 +4,23 @@ Pools, allocated once from the engine config:
 * MLA layer l: latents [num_pages * page_size, R + Dr] in the model dtype (a page = page_size rows);
 * KDA layer l: conv_q/k/v [num_slots, C, W-1] (model dtype) and recurrent [num_slots, H, K, V] fp32.
 
-A step first applies the plan's page copies (copy-on-write) and slot restores/resets, then runs one
-forward per group of rows that feed the same number of tokens n, whatever their cached lengths (a ragged
-batch, k3.infer.paged_state): all decode rows (n == 1) go in one `DecodeStep` (k3.infer.decode_step,
-compiled at batch 1 with `EngineConfig.compile`), and prefill chunks of equal size share one forward
-too. With `EngineConfig.compile` the SiTU activations run fused (k3.ops.glu.fused_activations). The
-model decodes with the absorbed MLA path and the KDA recurrence when n == 1 and prefills with the chunked
-paths otherwise; MLA attention over a long cache streams the latents page block by page block
-(k3.model.mla, DENSE_MAX_SCORES).
-"""
+A step first applies the plan's page copies (copy-on-write) and slot restores/resets, then runs one forward
+per group of rows that feed the same number of tokens n, whatever their cached lengths (a ragged batch,
+k3.infer.cache.paged_mla): all decode rows (n == 1) go in one `DecodeStep` (k3.infer.decode: the native C
+step, or the torch step compiled at batch 1 with `EngineConfig.compile`; chosen once, here), and prefill
+chunks of equal size share one forward too. With `EngineConfig.compile` the SiTU activations run fused
+(k3.ops.glu.fused_activations). The model decodes with the absorbed MLA path and the KDA recurrence
+when n == 1 and prefills with the chunked paths otherwise; MLA attention over a long cache streams the
+latents page block by page block (k3.model.mla, DENSE_MAX_SCORES)."""
 
 from __future__ import annotations
 
 import torch
 
+from k3.infer.cache.paged_mla import PagedBatch, PagedMLAState
 from k3.infer.config import EngineConfig
-from k3.infer.decode_step import DecodeStep
+from k3.infer.decode.backend import DecodeStep
 from k3.infer.media import embed_with_media
-from k3.infer.paged_state import PagedBatch, PagedMLAState
 from k3.infer.scheduler import StepPlan
 from k3.infer.sequence import Sequence
 from k3.model.state import KDAState

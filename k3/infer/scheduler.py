@@ -18,9 +18,9 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from k3.infer.block_manager import PagePool, SlotPool
+from k3.infer.cache.block_manager import PagePool, SlotPool
+from k3.infer.cache.prefix_cache import PrefixCache, chain_hashes
 from k3.infer.config import EngineConfig
-from k3.infer.prefix_cache import PrefixCache, chain_hashes
 from k3.infer.sequence import Sequence, Status
 
 

@@ -24,15 +24,17 @@ the chunk is long enough for that to need fewer multiply-adds, k3.ops.mla.expand
 state the new latents are stored and the queries attend causally over cache + new tokens:
 
 * dense (the state's `append` returns all S latents, one [B, H, T, S] score tensor): when the attention
-  is small, H*T*S <= DENSE_MAX_SCORES per row, or the state cannot stream, or `absorb` is given
+  is small, H*T*S <= DENSE_MAX_SCORES per row, or `absorb` is given
   (forcing the absorbed or naive form). Without a state naive; with one, absorbed unless the chunk is
   long enough for expanding every cached key to pay (`expand_pays`: T > 128 queries for k3-tiny, 171 for
   the release), e.g. the short aligned remainder of a prompt over a long cache.
-* streaming (`write`, then `blocks`): otherwise, when the state provides `blocks` (the engine's paged
-  state, and `MLAState`). Block size: DENSE_MAX_SCORES // (B*H*T) keys, at least MIN_BLOCK and at most
-  MAX_BLOCK, so the score scratch stays ~DENSE_MAX_SCORES fp32 values at most whatever S is (nothing of
-  size S but the cache exists) and small enough to stay in cache across the block's passes.
-  In the engine every prefill chunk past the first few thousand keys, and long-context decode, take it.
+* streaming (`write`, then `blocks`): otherwise (every `k3.model.state.MLACache` streams). Block size:
+  DENSE_MAX_SCORES // (B*H*T) keys, at least MIN_BLOCK and at most MAX_BLOCK, so the score scratch
+  stays ~DENSE_MAX_SCORES fp32 values at most whatever S is (nothing of size S but the cache exists)
+  and small enough to stay in cache across the block's passes. In the engine every prefill chunk past
+  the first few thousand keys, and long-context decode, take it.
+* self-attending (`state.decode_attention`): one token per row over a state with `attends_decode` (the
+  engine's paged decode state, which a compiled decode step traces as one op).
 
 Ragged batches: a state with per-row cached lengths `lengths` [B] (k3.model.state) gets a per-row causal
 mask (row b's query t is key c_b + t); the RoPE ablation rotates by c_b + t as well.
@@ -149,7 +151,7 @@ class MLAAttention(nn.Module):
 
     def _streams(self, state, T: int, S: int, absorb: bool | None) -> bool:
         """The attention-path rule of the module docstring."""
-        return absorb is None and hasattr(state, "blocks") and self.num_heads * T * S > DENSE_MAX_SCORES
+        return absorb is None and self.num_heads * T * S > DENSE_MAX_SCORES
 
     def _attend_stream(self, q_nope, q_pe, state, S: int, lengths) -> torch.Tensor:
         """Queries [B, T, H, *] over the state's latent blocks (online softmax) -> o [B, T, H, Dv]."""
@@ -182,12 +184,13 @@ class MLAAttention(nn.Module):
         Tq = T if keep is None else keep
         if not 0 <= Tq <= T:
             raise ValueError(f"keep must be in [0, T={T}], got {keep}")
-        if T == 1 and Tq == 1 and absorb is None and positions is None and hasattr(state, "decode_attention"):
+        one_token = T == 1 and Tq == 1 and absorb is None and positions is None
+        if one_token and state is not None and state.attends_decode:
             return self._decode(x, state)
         if doc_ids is not None and (state is not None or doc_ids.shape != (B, T)):
             raise ValueError(f"doc_ids must be [B, T]=[{B}, {T}] and cannot be combined with a state")
         offset = 0 if state is None else state.length
-        lengths = None if state is None else getattr(state, "lengths", None)
+        lengths = None if state is None else state.lengths
         c_kv, k_pe = self._latents(x)
         xq = x[:, T - Tq :]
         q_nope, q_pe = self._queries(xq)
@@ -225,7 +228,7 @@ class MLAAttention(nn.Module):
 
     def _decode(self, x: torch.Tensor, state) -> torch.Tensor:
         """One token per row, x [B, 1, D], over an engine state that stores the new latents and runs the
-        absorbed attention itself (`state.decode_attention`, e.g. k3.infer.paged_attention) -> [B, 1, D]."""
+        absorbed attention itself (`state.decode_attention`, e.g. k3.infer.cache.paged_mla) -> [B, 1, D]."""
         q_nope, q_pe = self._queries(x)
         c_kv, k_pe = self._latents(x)
         if self.use_rope:  # the new token sits at position c_b of its row

@@ -2,8 +2,8 @@
 (CONTRIBUTING.md#the-engine-owns-the-caches).
 
 Nothing here is a module buffer: a layer receives its state object, reads the history from it and writes
-the updated history back into it (attribute assignment / `append`). The engine can substitute paged or
-prefix-cached variants with the same duck-typed interface.
+the updated history back into it (attribute assignment / `append`). The engine substitutes paged
+variants: KDA's by gathering slots into a `KDAState`, MLA's by implementing `MLACache`.
 
 Interface a layer relies on (B = sequences in the batch; with packed documents, i.e. `cu_seqlens` given to
 a KDA layer, B is the number of documents N):
@@ -14,36 +14,15 @@ KDA layer (`KDAState`), C_q = C_k = H*K, C_v = H*V, W = short_conv_kernel_size:
     writes  the same four attributes after the call (new tensors; the old ones are not modified in place)
     optional: capture_at [B] positions inside the call -> captured (the four states after p tokens)
 
-MLA layer (`MLAState`), R = kv_lora_rank, Dr = qk_rope_head_dim, L = R + Dr (latent width):
-    reads   length                   int, tokens already cached (the causal offset of the new queries)
-    calls   append(new [B, T, L]) -> all latents [B, S, L], S = length + T; each latent row is
-            [RMSNorm(c_kv) | k_pe] (k_pe rotated only in the RoPE ablation)
-
-  Optional, for ragged batches and long contexts (the paged engine state has both; checked by getattr):
-    reads   lengths                  long [B], row b's cached tokens c_b (rows may differ: a ragged batch).
-                                     Then `length` is max(c_b), row b's query t is key c_b + t, and the
-                                     latents `append` returns are [B, max(c_b) + T, L] with row b valid
-                                     up to c_b + T (padding after it, which the causal mask never shows)
-    calls   write(new [B, T, L]) -> None      store without gathering, then
-            blocks(block_size) -> iterator of latents [B, <= block_size, L] over keys [0, max(c_b) + T)
-                                     in order, each read straight from storage: the layer's
-                                     online-softmax path never holds all S keys at once
-  Per forward the layer calls exactly one of append / write (it chooses by the size of the attention,
-  k3.model.mla.DENSE_MAX_SCORES); either advances `length` (and `lengths`) by T.
-
-  Or, for one token per row (T == 1) only, a state may attend itself (the engine's paged decode state,
-  k3.infer.paged_attention, which a compiled decode step can trace without host reads):
-    reads   lengths                  long [B], row b's cached tokens c_b before this token
-    calls   decode_attention(q_nope [B, 1, H, Dn], q_pe [B, 1, H, Dr], new [B, 1, L], W_UK, W_UV, scale)
-            -> o [B, 1, H, Dv]: stores `new` as key c_b of row b and returns the absorbed attention of
-            the row's query over its keys 0..c_b (k3.ops.mla.mla_attention_absorbed)
-    A layer seeing `decode_attention` with T == 1 uses it instead of append / write.
+MLA layer: any `MLACache` (below: the dense `MLAState` here, the engine's paged states in
+k3.infer.cache.paged_mla). The layer picks its path from the protocol's two attributes, never by probing.
 
 The dense `MLAState` keeps all rows at one length; ragged batches are the paged engine's (k3.infer).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -53,21 +32,18 @@ from k3.config import K3Config
 
 @dataclass
 class KDAState:
-    """Conv histories [B, C, W-1] (model dtype) and recurrent state [B, H, K, V] (fp32); None = empty.
-
-    `capture_at` (optional, set by the caller for the next call only): per row, a position p with
-    0 < p < T of that call's T tokens (or -1): the layer then also leaves the state after exactly the
-    first p tokens of that row in `captured` (a KDAState of [B, ...] tensors; rows without a capture hold
-    their final state) and clears `capture_at`. The
-    engine uses it to snapshot an aligned position inside a prefill chunk instead of ending the chunk
-    there (one forward instead of two)."""
+    """Conv histories [B, C, W-1] (model dtype) and recurrent state [B, H, K, V] (fp32); None = empty."""
 
     conv_q: torch.Tensor | None = None
     conv_k: torch.Tensor | None = None
     conv_v: torch.Tensor | None = None
     recurrent: torch.Tensor | None = None
+    # set by the caller for the next call only: per row, a position p with 0 < p < T of that call's T
+    # tokens (or -1); the layer then also leaves the state after exactly the first p tokens of that row
+    # in `captured` and clears `capture_at`. The engine snapshots an aligned position inside a prefill
+    # chunk this way instead of ending the chunk there (one forward instead of two).
     capture_at: list[int] | None = None
-    captured: KDAState | None = None
+    captured: KDAState | None = None  # [B, ...] tensors; rows without a capture hold their final state
 
     @classmethod
     def zeros(cls, config: K3Config, batch_size: int, device=None, dtype=torch.bfloat16) -> KDAState:
@@ -81,8 +57,48 @@ class KDAState:
         return cls(conv_q=conv(), conv_k=conv(), conv_v=conv(), recurrent=rec)
 
 
+class MLACache:
+    """The MLA state protocol, R = kv_lora_rank, Dr = qk_rope_head_dim, L = R + Dr (latent width); each
+    latent row is [RMSNorm(c_kv) | k_pe] (k_pe rotated only in the RoPE ablation).
+
+    Per forward of T tokens the layer calls exactly one of `append` (dense attention) or `write` then
+    `blocks` (online softmax over key blocks, when the attention exceeds k3.model.mla.DENSE_MAX_SCORES);
+    either advances `length` (and `lengths`) by T. A state with `attends_decode` takes one-token rows
+    itself instead (`decode_attention`), which a compiled decode step traces without host reads."""
+
+    # per-row cached lengths c_b, long [B] (a ragged batch): row b's query t is key c_b + t, `length` is
+    # max(c_b) and `append` returns [B, max(c_b) + T, L], row b valid up to c_b + T. None: one length.
+    lengths: torch.Tensor | None = None
+    # True: with T == 1 the layer calls `decode_attention` instead of append / write
+    attends_decode: bool = False
+
+    @property
+    def length(self) -> int:
+        """Tokens already cached (the causal offset of the new queries)."""
+        raise NotImplementedError
+
+    def append(self, new: torch.Tensor) -> torch.Tensor:
+        """new [B, T, L] -> all latents [B, length + T, L]."""
+        raise NotImplementedError(f"{type(self).__name__} has no dense append")
+
+    def write(self, new: torch.Tensor) -> None:
+        """Store new [B, T, L] without gathering (the streaming path's first half)."""
+        raise NotImplementedError(f"{type(self).__name__} has no streaming write")
+
+    def blocks(self, block_size: int) -> Iterator[torch.Tensor]:
+        """-> latents [B, <= block_size, L] over keys [0, length) in order, each read straight from
+        storage: the online-softmax path never holds all keys at once."""
+        raise NotImplementedError(f"{type(self).__name__} has no key blocks")
+
+    def decode_attention(self, q_nope, q_pe, new, w_uk, w_uv, scale: float) -> torch.Tensor:
+        """q_nope [B, 1, H, Dn], q_pe [B, 1, H, Dr], new [B, 1, L] -> o [B, 1, H, Dv]: store `new` as key
+        c_b of row b and return the absorbed attention of the row's query over keys 0..c_b
+        (k3.ops.mla.mla_attention_absorbed). Only where `attends_decode`."""
+        raise NotImplementedError(f"{type(self).__name__} does not attend itself")
+
+
 @dataclass
-class MLAState:
+class MLAState(MLACache):
     """Cached latents [B, S, kv_lora_rank + qk_rope_head_dim] = [RMSNorm(c_kv) | k_pe] per token."""
 
     latent: torch.Tensor | None = None

@@ -259,7 +259,7 @@ def experts_gathered(z, weights, indices, w1, w2, w3, act: GLUFn) -> torch.Tenso
     """Fast path without host reads, same signature and result as `experts_reference`: copies the chosen
     experts' weights ([T·k, I, Dl] each of w1, w3, w2) and runs three batched matmuls, one row per
     token-slot. Static shapes and no data-dependent Python, so `torch.compile` traces it whole (the
-    compiled decode step, k3.infer.decode_step); the copies make it a path for a few slots only."""
+    compiled decode step, k3.infer.decode.torch_step); the copies make it a path for a few slots only."""
     _check_experts(z, weights, indices, w1, w2, w3)
     T, k = indices.shape
     flat = indices.reshape(-1)

@@ -45,7 +45,8 @@ def trained_on_chats(checkpoint: str) -> bool:
 
 
 async def _turn(aengine, messages, args) -> dict:
-    from k3.chat_format import ChatOptions, encode_chat, marker_ids, parse_marked
+    from k3.chat_format import ChatOptions, encode_chat
+    from k3.chat_parse import marker_ids, parse_marked
     from k3.infer.sequence import SamplingParams
 
     tools = None

@@ -144,10 +144,10 @@ def warm_up(engine) -> None:
     print("compiling the decode step (torch.compile) ...", file=sys.stderr, flush=True)
     engine.generate([[engine.eos_token_id]], SamplingParams(max_tokens=2, ignore_eos=True))
     step = engine.runner.decode
-    if step.native() is not None:  # the whole-model C step decodes; nothing was compiled for it
+    if step.native is not None:  # the whole-model C step decodes; nothing was compiled for it
         state = "not needed (native decode step)"
-    elif step.compile and step.compile_seconds is not None:
-        state = f"done in {step.compile_seconds:.0f} s"
+    elif step.torch.compile and step.torch.compile_seconds is not None:
+        state = f"done in {step.torch.compile_seconds:.0f} s"
     else:
         state = "failed; decoding eagerly"
     print(f"compiling the decode step: {state}", file=sys.stderr, flush=True)
@@ -188,7 +188,7 @@ def api_keys(args) -> tuple[str, ...]:
 
 
 def serve_config(args):
-    from k3.serve.app import ServeConfig
+    from k3.serve.config import ServeConfig
     from k3.serve.guard import allowed_hosts
 
     positive = ("max_body_bytes", "max_connections", "header_timeout", "body_timeout", "max_stop_strings",

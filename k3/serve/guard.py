@@ -11,19 +11,26 @@ arrive, and which Host names it answers.
   closes) and closes the connection, and the route reading the body sees the client gone;
 * uvicorn's own keep-alive idle timeout still closes a connection that sends nothing between requests.
 
-`allowed_host` is the Host check the app applies to every request (DNS rebinding: a web page whose
-name resolves to 127.0.0.1 sends its own name as Host).
+`RequestGuard` is the app's outermost middleware: every request passes the header-size cap (431) and the
+Host check `allowed_host` (400 outside --allowed-hosts; DNS rebinding: a web page whose name resolves to
+127.0.0.1 sends its own name as Host); it counts every response by route and status and turns anything
+unexpected into a 500 in the OpenAI shape.
 """
 
 from __future__ import annotations
 
+import asyncio
 import ipaddress
 import json
 import resource
+import sys
 from dataclasses import dataclass
 
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from k3.serve.metrics import ServerMetrics
+from k3.serve.protocol import error_body
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 
@@ -166,3 +173,57 @@ def allowed_hosts(bind_host: str, extra: tuple[str, ...] | list[str] | None) -> 
 def allowed_host(header: str | None, allowed: frozenset[str] | None) -> bool:
     """Whether a request's Host header passes (no header: HTTP/1.0, which a browser never sends)."""
     return allowed is None or header is None or host_name(header) in allowed
+
+
+# ---- the ASGI guard: header size, Host, status counts, and a 500 for anything unexpected ---------------
+class RequestGuard:
+    """Counts every response by route and status (a client gone before any byte: 499) and turns an
+    exception that escaped a route into a 500 OpenAI error (or, after the response started, a logged
+    line: the stream already ended with an error event or was cut by the client)."""
+
+    def __init__(self, app, stats: ServerMetrics, max_header_bytes: int, hosts: frozenset[str] | None = None):
+        self.app, self.stats, self.max_header_bytes, self.hosts = app, stats, max_header_bytes, hosts
+
+    async def _refuse(self, scope, send, status: int, message: str) -> None:
+        error = error_body(message, "invalid_request_error", None, status)
+        headers = [(b"content-type", b"application/json"), (b"connection", b"close")]
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": json.dumps(error).encode()})
+        self.stats.count_response(scope.get("path", ""), status)
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        size = len(scope.get("raw_path") or b"") + len(scope.get("query_string") or b"")
+        size += sum(len(k) + len(v) + 4 for k, v in scope["headers"])
+        if size > self.max_header_bytes:  # h11 caps only a header block that arrives in pieces
+            msg = f"request line + headers over {self.max_header_bytes} bytes (--max-header-bytes)"
+            return await self._refuse(scope, send, 431, msg)
+        host = next((v for k, v in scope["headers"] if k == b"host"), None)
+        host = None if host is None else host.decode("latin-1")
+        if not allowed_host(host, self.hosts):  # DNS rebinding: a page's own name sent to 127.0.0.1
+            msg = f"Host {host[:100]!r} is not served here (--allowed-hosts)"
+            return await self._refuse(scope, send, 400, msg)
+        status = None
+
+        async def counted(message):
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, counted)
+        except (KeyboardInterrupt, SystemExit, asyncio.CancelledError, GeneratorExit):
+            raise
+        except BaseException as e:  # noqa: BLE001 - incl. Rust panics (a BaseException) in a tokenizer
+            if status is None:
+                error = error_body(f"internal error: {type(e).__name__}", "server_error", None, 500)
+                body = json.dumps(error)
+                status = 500
+                await send({"type": "http.response.start", "status": 500,
+                            "headers": [(b"content-type", b"application/json")]})  # fmt: skip
+                await send({"type": "http.response.body", "body": body.encode()})
+            print(f"k3 serve: {scope.get('path')}: {type(e).__name__}: {e}", file=sys.stderr)
+        finally:
+            self.stats.count_response(scope.get("path", ""), 499 if status is None else status)

@@ -150,8 +150,8 @@ class TrainConfig:
         return cfg.replace(**changes) if changes else cfg
 
     def optimizer_options(self) -> dict[str, Any]:
-        """The `k3.optim.build_optimizers` keyword arguments this config sets (one place for the trainer
-        and the training bench)."""
+        """The `k3.train.param_groups.build_optimizers` keyword arguments this config sets (one place for
+        the trainer and the training bench)."""
         return dict(
             optimizer=self.optimizer,
             per_head=self.per_head,

@@ -1,3 +1,4 @@
+# Long file: one Trainer whose phases share its state and which SFTTrainer subclasses; they split together.
 """The training loop: setup, steps, eval / checkpoint cadence, time budget, Ctrl-C, final report.
 
     setup     seeds -> data + tokenizer (cached) -> model (meta, then init_weights) -> model transforms

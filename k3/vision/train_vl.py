@@ -28,7 +28,8 @@ from k3.model.moe import update_router_biases
 from k3.model.multimodal import K3VLForCausalLM, init_vl_weights
 from k3.model.transformer import IGNORE_INDEX
 from k3.optim.schedule import warmup_cosine
-from k3.tokenizer import K3Tokenizer, train_tokenizer
+from k3.tokenizer import K3Tokenizer
+from k3.tokenizer_train import train_tokenizer
 from k3.vision import synthetic
 from k3.vision.config import IMAGE_PLACEHOLDER, K3VLConfig, vl_preset
 from k3.vision.media import encode_segments_with_images

@@ -90,7 +90,7 @@ def test_eval_agent_end_to_end(tmp_path):
     from k3.config import preset
     from k3.model.init import init_weights
     from k3.model.transformer import K3ForCausalLM
-    from k3.tokenizer import train_tokenizer
+    from k3.tokenizer_train import train_tokenizer
 
     cfg = preset("k3-nano").replace(dtype="float32")
     torch.manual_seed(0)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-import k3.tokenizer as tk
+import k3.tokenizer_train as tokenizer_train
 from k3.data import prepare_data
 from k3.data.packing import (
     PackedLoader,
@@ -16,7 +16,7 @@ from k3.data.packing import (
     load_or_tokenize,
     tokenize_documents,
 )
-from k3.tokenizer import train_tokenizer
+from k3.tokenizer_train import train_tokenizer
 
 EOS = 9999
 
@@ -172,7 +172,9 @@ def test_prepare_data_end_to_end_cached(tmp_path, monkeypatch):
     first = prepare_data(corpus, vocab_size=600, val_percent=10, cache_dir=tmp_path / "cache")
     assert first.train.num_docs + first.val.num_docs == 60 and first.val.num_docs > 0
     assert (first.cache_path / "tokens-val.npy").is_file()
-    monkeypatch.setattr(tk, "train_tokenizer", lambda *a, **k: pytest.fail("retrained on a cache hit"))
+    monkeypatch.setattr(
+        tokenizer_train, "train_tokenizer", lambda *a, **k: pytest.fail("retrained on a cache hit")
+    )
     import k3.data
 
     monkeypatch.setattr(k3.data, "load_splits", lambda *a, **k: pytest.fail("read the corpus on a cache hit"))

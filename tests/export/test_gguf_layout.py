@@ -160,7 +160,7 @@ def test_stored_types_follow_the_outtype():
 
 @pytest.mark.parametrize("outtype", ["f32", "bf16", "q8_0", "mxfp4"])
 def test_written_file_reads_back(outtype, state, tensors, tmp_path):
-    from k3.tokenizer import train_tokenizer
+    from k3.tokenizer_train import train_tokenizer
 
     tok_dir = tmp_path / "tok"
     train_tokenizer(["def f(x):\n    return x + 1\n" * 50], vocab_size=NANO.vocab_size).save(tok_dir)

@@ -31,7 +31,8 @@ from k3.model.transformer import K3ForCausalLM
 from k3.quant.ggml import decode, mxfp4_to_packed
 from k3.quant.mx import fake_quant_mx, quantize_mx
 from k3.quant.packed import PackedRoutedExperts, expert_bytes
-from k3.tokenizer import K3Tokenizer, train_tokenizer
+from k3.tokenizer import K3Tokenizer
+from k3.tokenizer_train import train_tokenizer
 
 Q = gguf.GGMLQuantizationType
 OUTTYPES = gguf_export.OUTTYPES
@@ -228,7 +229,7 @@ def test_engine_on_the_gguf_generates_the_source_tokens(source, outtype):
     want = _greedy(ref_engine, prompts)
     assert got == want and len(set(map(tuple, got))) == 2
     # the GGUF's model takes the same decode path (the native whole-model step where it is built)
-    assert (engine.runner.decode.native() is None) == (ref_engine.runner.decode.native() is None)
+    assert (engine.runner.decode.native is None) == (ref_engine.runner.decode.native is None)
 
 
 def test_unknown_tensor_types_are_refused_by_name(tokenizer_dir, tmp_path, monkeypatch):

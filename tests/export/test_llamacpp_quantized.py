@@ -17,7 +17,7 @@ from k3.config import preset
 from k3.export.gguf_read import load_gguf
 from k3.model.init import init_weights
 from k3.model.transformer import K3ForCausalLM
-from k3.tokenizer import train_tokenizer
+from k3.tokenizer_train import train_tokenizer
 
 NANO = preset("k3-nano")
 CORPUS = ["def main(argv):\n    for name in argv:\n        print(name.upper())\n    return 0\n"] * 60

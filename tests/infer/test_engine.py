@@ -99,7 +99,7 @@ def test_bad_requests_raise(nano, prompt):
 
 
 def test_stop_strings_cut_the_text(nano, prompt):
-    from k3.tokenizer import train_tokenizer
+    from k3.tokenizer_train import train_tokenizer
 
     tok = train_tokenizer(["the quick brown fox " * 20], vocab_size=1024)  # ids 0..255 are the bytes
     p = [ord(c) for c in "the quick brown"]
@@ -119,7 +119,7 @@ def test_incremental_detokenizing_equals_decoding_the_whole_output():
     from types import SimpleNamespace
 
     from k3.infer.sequence import Sequence
-    from k3.tokenizer import train_tokenizer
+    from k3.tokenizer_train import train_tokenizer
 
     tok = train_tokenizer(["plain ascii words and more words\n"] * 20, vocab_size=512)
     text = "héllo wörld 日本語 🙂 ok ∑x ≤ 3 \U0001f9ea end"

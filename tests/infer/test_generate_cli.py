@@ -8,7 +8,7 @@ from k3.checkpoint.io import save_checkpoint
 from k3.cli import main
 from k3.infer.generate_cli import read_prompt
 from k3.model.generate import generate
-from k3.tokenizer import train_tokenizer
+from k3.tokenizer_train import train_tokenizer
 
 TEXT = (
     "def f(x):\n    return x  \n\n\n  \tclass A:\n\tpass\r\n"

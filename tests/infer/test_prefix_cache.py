@@ -3,10 +3,10 @@
 import pytest
 import torch
 
-from k3.infer.block_manager import PagePool
+from k3.infer.cache.block_manager import PagePool
+from k3.infer.cache.prefix_cache import PrefixCache, chain_hashes
 from k3.infer.config import EngineConfig
 from k3.infer.engine import Engine
-from k3.infer.prefix_cache import PrefixCache, chain_hashes
 from k3.infer.sequence import SamplingParams
 from k3.model.state import ModelState
 

@@ -5,9 +5,9 @@ import pytest
 import torch
 
 import k3.model.mla as mla_mod
+from k3.infer.cache.paged_mla import PagedMLAState
 from k3.infer.config import EngineConfig
 from k3.infer.engine import Engine
-from k3.infer.paged_state import PagedMLAState
 from k3.infer.sequence import SamplingParams
 from k3.model.generate import generate
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from k3.infer.block_manager import PagePool, SlotPool
+from k3.infer.cache.block_manager import PagePool, SlotPool
 from k3.infer.config import EngineConfig
 from k3.infer.scheduler import Scheduler
 from k3.infer.sequence import Sequence

@@ -7,7 +7,7 @@ from torch import nn
 
 import k3.model.mla as mla_mod
 from k3.config import preset
-from k3.infer.paged_state import PagedBatch, PagedMLAState
+from k3.infer.cache.paged_mla import PagedBatch, PagedMLAState
 from k3.model.layers import Linear
 from k3.model.mla import MLAAttention
 from k3.model.state import MLAState

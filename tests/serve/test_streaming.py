@@ -4,9 +4,9 @@ the parse of the whole text, with no partial character or partial channel shown.
 import asyncio
 import json
 
-from k3.chat_format import MARKED
+from k3.chat_parse import MARKED
 from k3.infer.async_engine import Event
-from k3.serve.app import _chat_stream
+from k3.serve.streams import chat_stream
 
 C, S, O = MARKED["<|close|>"], MARKED["<|sep|>"], MARKED["<|open|>"]
 
@@ -21,7 +21,7 @@ def test_chat_stream_deltas_concatenate_to_the_final_text():
 
     async def collect():
         ctx = (None, "m", 3, True, ())
-        return [chunk async for chunk in _chat_stream(agen(), events[0], "id", ctx, False)]
+        return [chunk async for chunk in chat_stream(agen(), events[0], "id", ctx, False)]
 
     chunks = [json.loads(c[6:]) for c in asyncio.run(collect()) if c.startswith("data: {")]
     deltas = [c["choices"][0]["delta"] for c in chunks]

@@ -40,7 +40,7 @@ def _conv(q: str = "What does a.b do?", fact: str = "Frob the widget.") -> dict:
 
 @pytest.fixture(scope="module")
 def tok():
-    from k3.tokenizer import train_tokenizer
+    from k3.tokenizer_train import train_tokenizer
 
     text = json.dumps(_conv()) + " the widget frob doc call argument message response think tools " * 20
     return train_tokenizer([text], vocab_size=1024)

@@ -70,7 +70,7 @@ def test_images_refused_without_a_collector_or_outside_user_messages():
 
 def test_frontend_spans_cover_the_pad_runs():
     from k3.model.multimodal import K3VLForCausalLM, init_vl_weights
-    from k3.tokenizer import train_tokenizer
+    from k3.tokenizer_train import train_tokenizer
     from k3.vision.config import vl_preset
     from k3.vision.image_io import encode_data_url
     from k3.vision.preprocess import batch_images

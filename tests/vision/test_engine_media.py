@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from k3.config import preset
+from k3.infer.cache.prefix_cache import chain_hashes
 from k3.infer.config import EngineConfig
 from k3.infer.engine import Engine
 from k3.infer.media import MediaSpan, check_media
-from k3.infer.prefix_cache import chain_hashes
 from k3.infer.sequence import SamplingParams
 from k3.model.init import init_weights
 from k3.model.transformer import K3ForCausalLM

@@ -6,7 +6,7 @@ from PIL import Image
 
 from k3.chat_format import ChatOptions, render
 from k3.model.multimodal import K3VLForCausalLM, init_vl_weights, scatter_image_embeddings, tokens_per_image
-from k3.tokenizer import train_tokenizer
+from k3.tokenizer_train import train_tokenizer
 from k3.vision.config import IMAGE_PLACEHOLDER, vl_preset
 from k3.vision.media import (
     MediaIds,

@@ -1,13 +1,14 @@
-"""The engine's decode forward: B rows feeding one token each, as one function of tensors.
+"""The torch decode step: B rows feeding one token each, as one function of tensors.
 
     logits [B, 1, V] fp32 = step(ids [B, 1], slots [B], block_tables [B, P], lengths [B])
 
 It gathers each KDA layer's conv and recurrent states from the slot pools, runs the decoder with the
-engine's paged MLA decode state (`k3.infer.paged_attention`: the new latents go into the pages and the
-attention reads them inside one opaque op), applies the final norm and the head, and writes the KDA
-states back into their slots. Every shape is fixed by B and P = ceil(max_model_len / page_size): the
-block tables are padded to P columns, and the only thing that grows from step to step -- the number of
-keys a row attends over -- stays inside the paged op.
+engine's paged MLA decode state (`k3.infer.cache.paged_mla.PagedDecodeMLAState`: the new latents go into
+the pages and the attention reads them inside one opaque op), applies the final norm and the head, and
+writes the KDA states back into their slots. Every shape is fixed by B and P = ceil(max_model_len /
+page_size): the block tables are padded to P columns, and the only thing that grows from step to step --
+the number of keys a row attends over -- stays inside the paged op. It is the reference of the native
+step (k3.infer.decode.native_step), and the backend wherever that one does not run.
 
 That is what lets `torch.compile` trace the whole step as one graph (`compile=True`): at batch 1 the
 eager step spends most of its time in ~1,800 small op dispatches (k3-tiny), which the compiled graph
@@ -24,7 +25,7 @@ import warnings
 
 import torch
 
-from k3.infer.paged_attention import PagedDecodeMLAState
+from k3.infer.cache.paged_mla import PagedDecodeMLAState
 
 # Inductor turns one-row mat-muls (every projection of a batch-1 step) into fused multiply-reduce loops
 # that stream the weight once; on a CPU these run faster than the BLAS gemv calls they replace (k3-tiny,
@@ -32,21 +33,22 @@ from k3.infer.paged_attention import PagedDecodeMLAState
 INDUCTOR_OPTIONS = {"post_grad_fusion_options": {"decompose_mm_pass": {}}}
 
 
-class DecodeStep:
-    """Runs one-token rows of the `runner`'s pools (k3.infer.model_runner.ModelRunner)."""
+def block_table_width(config) -> int:
+    """P: the block-table columns of a decode step, ceil(max_model_len / page_size) (EngineConfig)."""
+    return -(-config.max_model_len // config.page_size)
 
-    def __init__(self, runner, compile: bool = False, native: bool = False):
+
+class TorchDecodeStep:
+    """Runs one-token rows of the `runner`'s pools (k3.infer.model_runner.ModelRunner) in torch."""
+
+    def __init__(self, runner, compile: bool = False):
         self.runner, self.compile = runner, compile
-        self.pages = -(-runner.config.max_model_len // runner.config.page_size)  # P
+        self.pages = block_table_width(runner.config)  # P
         self._compiled = None
         self.compile_seconds: float | None = None
-        self._native = native  # True until built: then the NativeDecode, or None where it cannot run
 
     def __call__(self, ids: list[int], slots: list[int], tables: list[list[int]], lengths: list[int]):
         """Python rows (token, slot, page list, cached length) -> logits [B, 1, V] fp32."""
-        native = self.native()
-        if native is not None and len(ids) <= native.max_rows:
-            return native(ids, slots, tables, lengths)
         args = self.tensors(ids, slots, tables, lengths)
         if self.compile and len(ids) == 1:
             out = self._run_compiled(args)
@@ -65,15 +67,6 @@ class DecodeStep:
             torch.tensor(padded, dtype=torch.long, device=dev),
             torch.tensor(lengths, dtype=torch.long, device=dev),
         )
-
-    def native(self):
-        """The whole-model C step (k3.infer.native_decode), built on first use; None where the model
-        does not qualify or native decoding is off."""
-        if self._native is True:
-            from k3.infer.native_decode import NativeDecode
-
-            self._native = NativeDecode.build(self.runner)
-        return self._native or None
 
     def step(self, ids, slots, block_tables, lengths) -> torch.Tensor:
         """The eager step (module docstring); tensors on the pools' device."""

@@ -1,4 +1,5 @@
-"""The engine's decode step (k3.infer.decode_step): compiled == eager, the paged decode op, the fallback.
+"""The engine's torch decode step (k3.infer.decode.torch_step): compiled == eager, the paged decode op,
+the fallback.
 
 One module-scoped engine pays for the compile (~25 s for k3-nano on 2 cores, once per CI run)."""
 
@@ -7,14 +8,14 @@ import warnings
 import pytest
 import torch
 
-from k3.infer import decode_step as decode_step_mod
+from k3.infer.cache.paged_mla import paged_mla_decode
 from k3.infer.config import EngineConfig
+from k3.infer.decode import torch_step as torch_step_mod
 from k3.infer.engine import Engine
-from k3.infer.paged_attention import paged_mla_decode
 from k3.infer.sequence import SamplingParams
 from k3.ops.mla import causal_mask, mla_attention_absorbed
 
-# native=False: these test the torch step (the native C step is tests/infer/test_native_decode.py)
+# native=False: these test the torch step (the native C step is tests/infer/test_native_step.py)
 CFG = dict(page_size=16, prefix_unit=16, num_pages=24, max_model_len=160, max_num_seqs=4, native=False)
 GREEDY = SamplingParams(max_tokens=24, ignore_eos=True, logprobs=3)
 
@@ -32,7 +33,7 @@ def test_compiled_decode_equals_eager(nano, prompt, compiled):
     prompts = [prompt(37, 1)]
     eager = run(Engine(nano, EngineConfig(**CFG)), prompts)[0]
     got = run(compiled, prompts)[0]
-    step = compiled.runner.decode
+    step = compiled.runner.decode.torch
     assert step._compiled and step.compile_seconds is not None  # it really ran compiled
     assert got.output == eager.output
     for (lp, alts), (lp_ref, alts_ref) in zip(got.logprobs, eager.logprobs, strict=True):
@@ -58,7 +59,7 @@ def test_failed_compile_falls_back_to_eager_with_a_warning(nano, prompt, monkeyp
 
         return call
 
-    monkeypatch.setattr(decode_step_mod.torch, "compile", broken)
+    monkeypatch.setattr(torch_step_mod.torch, "compile", broken)
     engine = Engine(nano, EngineConfig(**CFG, compile=True))
     with pytest.warns(UserWarning, match="compiled decode disabled.*no C\\+\\+ compiler"):
         got = run(engine, [prompt(20, 5)])[0].output

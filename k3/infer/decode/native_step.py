@@ -1,12 +1,13 @@
-"""The decode step in one C call (k3/ops/csrc/decode_step.c): the engine's fast path for one-token rows.
+"""The native decode step: one C call (k3/ops/csrc/decode_step.c) for the engine's one-token rows.
 
-    step = NativeDecode.build(runner)          # None when the model or machine does not qualify
-    logits = step(ids, slots, tables, lengths) # [B, 1, V] fp32, same contract as DecodeStep.__call__
+    step = NativeDecodeStep.build(runner)      # None when the model or machine does not qualify
+    logits = step(ids, slots, tables, lengths) # [B, 1, V] fp32, same contract as TorchDecodeStep
 
-It computes exactly the maths of `DecodeStep.step` (the torch step, its reference: tests compare the
-two), with the engine's pools updated in place. The C side runs the whole model for the B rows: every
-weight matrix is streamed once per step for all rows, no tensor is allocated and nothing goes through
-torch's dispatcher, which is where a torch decode step spends most of its time on a CPU. It uses
+It computes exactly the maths of `TorchDecodeStep.step` (k3.infer.decode.torch_step, its reference:
+tests compare the two), with the engine's pools updated in place. The C side runs the whole model for
+the B rows: every weight matrix is streamed once per step for all rows, no tensor is allocated and
+nothing goes through torch's dispatcher, which is where a torch decode step spends most of its time on
+a CPU. It uses
 `torch.get_num_threads()` threads (an OpenMP team of its own).
 
 It qualifies for fp32 models on the CPU (routed experts fp32, or MXFP4-packed by `k3.quant.packed`:
@@ -14,6 +15,8 @@ the kernel decodes the codes in registers, never expanding them) whose config is
 (`K3Config.release_problems()` empty), within the kernel's fixed buffers (head dims <= 512, latent
 rank <= 1024, experts <= 1024), with native kernels on and a C compiler with OpenMP; otherwise the
 engine keeps the torch step.
+The ctypes structs below mirror decode_step.c's; the build compares their sizes and field offsets with
+the C side's own table (`layout_problems`) and raises on any difference.
 Weights are read from the model at build time (a few derived vectors are computed once: AttnRes's
 key-norm gain times its pseudo-query, exp(A_log)), so a model changed after the engine was built needs
 a new engine.
@@ -25,7 +28,8 @@ import ctypes
 
 import torch
 
-from k3.infer import huge_pages
+from k3.infer import memory
+from k3.infer.decode.torch_step import block_table_width
 from k3.ops import native
 
 I64, F32, PTR = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
@@ -64,6 +68,34 @@ class Ends(ctypes.Structure):
 _STEP_ARGS = [PTR, PTR, PTR, I64, PTR, PTR, PTR, PTR, PTR, PTR, I64]
 
 
+class _LayoutEntry(ctypes.Structure):  # decode_step.c's LayoutEntry: field "" holds the struct's size
+    _fields_ = [("type", ctypes.c_char_p), ("field", ctypes.c_char_p), ("value", I64)]
+
+
+def layout_problems(structs=(Dims, Layer, Ends)) -> list[str] | None:
+    """How the ctypes `structs` differ from the C step's own layout table (sizes and field offsets,
+    decode_step.c); [] when they agree, None when the C step is not built."""
+    fn = native.function("decode_step", "k3_decode_layout", [ctypes.POINTER(ctypes.POINTER(_LayoutEntry))])
+    if fn is None:
+        return None
+    fn.restype = I64
+    entries = ctypes.POINTER(_LayoutEntry)()
+    n = fn(ctypes.byref(entries))
+    c_side = {(e.type.decode(), e.field.decode()): e.value for e in entries[:n]}
+    ours = {}
+    for cls in structs:
+        ours[cls.__name__, ""] = ctypes.sizeof(cls)
+        ours.update(((cls.__name__, f), getattr(cls, f).offset) for f, _ in cls._fields_)
+    problems = []
+    for key in sorted(set(c_side) | set(ours)):
+        what = f"sizeof({key[0]})" if key[1] == "" else f"{key[0]}.{key[1]}"
+        if key not in ours or key not in c_side:
+            problems.append(f"{what}: only in {'C' if key in c_side else 'Python'}")
+        elif ours[key] != c_side[key]:
+            problems.append(f"{what}: C says {c_side[key]}, Python {ours[key]}")
+    return problems
+
+
 def unsupported(runner) -> str | None:
     """Why the native step cannot run this runner's model (None: it can)."""
     model, c = runner.model, runner.model.config
@@ -88,7 +120,7 @@ def unsupported(runner) -> str | None:
     return None
 
 
-class NativeDecode:
+class NativeDecodeStep:
     """The C decode step over `runner`'s model and pools (see the module docstring)."""
 
     max_rows = MAX_ROWS
@@ -110,13 +142,19 @@ class NativeDecode:
         self._size_fn.restype = I64
 
     @classmethod
-    def build(cls, runner) -> NativeDecode | None:
+    def build(cls, runner) -> NativeDecodeStep | None:
         if unsupported(runner) is not None:
             return None
         fn = native.function("decode_step", "k3_decode_step", _STEP_ARGS)
         if fn is None:
             return None
-        huge_pages.rehome(runner.model)  # the weights it streams, in 2 MB pages (k3.infer.huge_pages)
+        problems = layout_problems()
+        if problems:  # a struct edited on one side only: the step would read the wrong fields
+            raise RuntimeError(
+                "the C decode step's structs differ from their ctypes mirrors "
+                "(k3/infer/decode/native_step.py): " + "; ".join(problems)
+            )
+        memory.rehome(runner.model)  # the weights it streams, in 2 MB pages (k3.infer.memory)
         return cls(runner, fn)
 
     # ---- the call ----------------------------------------------------------------------------------
@@ -162,7 +200,7 @@ class NativeDecode:
             R=c.kv_lora_rank, Q=c.q_lora_rank or 0,
             E=c.num_experts, topk=c.num_experts_per_token, I=c.moe_intermediate_size, Dl=c.expert_width,
             Is=shared, Id=c.intermediate_size, dense_layers=c.first_k_dense_replace,
-            block=c.attn_res_block_size, page_size=r.config.page_size, pages=r.decode.pages,
+            block=c.attn_res_block_size, page_size=r.config.page_size, pages=block_table_width(r.config),
             safe_gate=int(la.gate_lower_bound is not None), latent_norm=int(c.latent_moe_use_norm),
             renorm=int(c.moe_renormalize), pad=0,
             rms_eps=c.rms_norm_eps, latent_eps=c.latent_norm_eps, res_eps=_attn_res_eps(),

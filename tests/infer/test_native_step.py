@@ -1,16 +1,20 @@
-"""The whole-model C decode step (k3.infer.native_decode) against its reference, the torch step
-(k3.infer.decode_step.DecodeStep.step): logits and every pool it writes, over ragged batches, several
-steps, variant configs and thread counts; and the engine's greedy text with it on and off."""
+"""The whole-model C decode step (k3.infer.decode.native_step) against its reference, the torch step
+(k3.infer.decode.torch_step.TorchDecodeStep.step): logits and every pool it writes, over ragged batches,
+several steps, variant configs and thread counts; the engine's greedy text with it on and off; the
+backend chosen once when the engine is built."""
 
+import ctypes
 import dataclasses
+import logging
 
 import pytest
 import torch
 
 from k3.config import preset
 from k3.infer.config import EngineConfig
+from k3.infer.decode import native_step
+from k3.infer.decode.native_step import NativeDecodeStep, unsupported
 from k3.infer.engine import Engine
-from k3.infer.native_decode import NativeDecode, unsupported
 from k3.infer.sequence import SamplingParams
 from k3.model.init import init_weights
 from k3.model.transformer import K3ForCausalLM
@@ -117,7 +121,7 @@ def check_against_torch_step(name: str, rows: int) -> None:
 
     model = model_of(VARIANTS[name.removesuffix(" + MXFP4 experts")])
     r = engine_of(model).runner
-    native = NativeDecode.build(r)
+    native = NativeDecodeStep.build(r)
     assert native is not None, unsupported(r)
     fill_pools(r, seed=rows)
     start = pools_of(r)
@@ -142,9 +146,10 @@ def check_against_torch_step(name: str, rows: int) -> None:
 def torch_steps(runner, start, ids, slots, tables, lengths):
     """The torch step three times from pools `start` -> (logits of each step, the pools after)."""
     set_pools(runner, start)
+    torch_step = runner.decode.torch
     with torch.no_grad():  # the second and third steps read what the first wrote
         logits = [
-            runner.decode.step(*runner.decode.tensors(ids, slots, tables, [n + step for n in lengths]))
+            torch_step.step(*torch_step.tensors(ids, slots, tables, [n + step for n in lengths]))
             for step in range(3)
         ]
     return logits, pools_of(runner)
@@ -154,7 +159,7 @@ def test_a_row_does_not_depend_on_its_batch():
     """Batch invariance: each row's logits and state are bit-identical alone and in any batch."""
     engine = Engine(model_of(VARIANTS["nano"]), EngineConfig(**CFG))
     r = engine.runner
-    native = NativeDecode.build(r)
+    native = NativeDecodeStep.build(r)
     fill_pools(r, seed=5)
     start = pools_of(r)
     rows = columns(6)
@@ -168,7 +173,7 @@ def test_a_row_does_not_depend_on_its_batch():
 def test_thread_count_does_not_change_a_bit():
     engine = Engine(model_of(VARIANTS["nano"]), EngineConfig(**CFG))
     r = engine.runner
-    native = NativeDecode.build(r)
+    native = NativeDecodeStep.build(r)
     fill_pools(r, seed=7)
     start = pools_of(r)
     outs = []
@@ -191,17 +196,54 @@ def test_engine_greedy_text_is_the_same_with_and_without_it(prompt):
     params = SamplingParams(max_tokens=20, ignore_eos=True)
     on = Engine(model, EngineConfig(**CFG))
     off = Engine(model, EngineConfig(**CFG, native=False))
-    assert on.runner.decode.native() is not None and off.runner.decode.native() is None
+    assert on.runner.decode.native is not None and off.runner.decode.native is None
     assert [s.output for s in on.generate(prompts, params)] == [
         s.output for s in off.generate(prompts, params)
     ]
 
 
+def test_the_backend_is_chosen_once_when_the_engine_is_built_and_logged(caplog):
+    model = model_of(VARIANTS["nano"])
+    with caplog.at_level(logging.INFO, logger="k3.infer"):
+        on = Engine(model, EngineConfig(**CFG))
+        off = Engine(model, EngineConfig(**CFG, native=False))
+        bf16 = Engine(model_of(VARIANTS["nano"]).to(torch.bfloat16), EngineConfig(**CFG))
+    assert isinstance(on.runner.decode.native, NativeDecodeStep)  # built, before any step
+    assert off.runner.decode.native is None and bf16.runner.decode.native is None
+    said = [r.getMessage() for r in caplog.records if r.name == "k3.infer"]
+    assert said == [
+        "decode backend: native C step (up to 64 rows; torch, eager beyond)",
+        "decode backend: torch, eager (EngineConfig.native is off)",
+        "decode backend: torch, eager (the model is not fp32 on the CPU)",
+    ]
+
+
 def test_it_declines_what_it_does_not_compute(monkeypatch):
     bf16 = Engine(model_of(VARIANTS["nano"]).to(torch.bfloat16), EngineConfig(**CFG))
-    assert "fp32" in unsupported(bf16.runner) and NativeDecode.build(bf16.runner) is None
+    assert "fp32" in unsupported(bf16.runner) and NativeDecodeStep.build(bf16.runner) is None
     ablation = Engine(model_of(NANO.replace(use_attn_res=False)), EngineConfig(**CFG))
     assert "use_attn_res" in unsupported(ablation.runner)
     monkeypatch.setenv("K3_NATIVE", "0")
     plain = Engine(model_of(VARIANTS["nano"]), EngineConfig(**CFG))
     assert "K3_NATIVE" in unsupported(plain.runner)
+
+
+def test_the_ctypes_structs_match_the_c_layout(monkeypatch):
+    assert native_step.layout_problems() == []
+
+    class Ends(ctypes.Structure):  # two fields swapped, as a one-sided edit would leave them
+        _fields_ = [(n, ctypes.c_void_p) for n in ("embed", "out_res", "norm", "lm_head")]
+
+    class Dims(ctypes.Structure):  # one field short
+        _fields_ = native_step.Dims._fields_[:-1]
+
+    problems = native_step.layout_problems((Dims, native_step.Layer, Ends))
+    assert problems == [
+        "Dims.kda_scale: only in C",
+        "Ends.norm: C says 8, Python 16",
+        "Ends.out_res: C says 16, Python 8",
+    ]  # (the shorter Dims pads to the same size)
+    monkeypatch.setattr(native_step, "Ends", Ends)
+    monkeypatch.setattr(native_step, "layout_problems", lambda: ["Ends.norm: C says 8, Python 16"])
+    with pytest.raises(RuntimeError, match="structs differ from their ctypes mirrors.*Ends.norm"):
+        NativeDecodeStep.build(Engine(model_of(NANO), EngineConfig(**CFG, native=False)).runner)

@@ -23,7 +23,7 @@ import hashlib
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from k3.infer.block_manager import PagePool
+from k3.infer.cache.block_manager import PagePool
 
 
 def chain_hashes(
