@@ -170,4 +170,5 @@ def test_training_conversations_chain_questions_with_unique_call_ids():
         check_conversation(c)  # every tool result answers a call of the assistant turn before it
         ids = [t["id"] for m in c["messages"] for t in m.get("tool_calls") or ()]
         assert ids == [f"call_{i}" for i in range(1, len(ids) + 1)]
-    assert all(sum(m["role"] == "user" for m in c["messages"]) <= 2 for c in task.conversations(50, "heldout"))
+    held = task.conversations(50, "heldout")
+    assert all(sum(m["role"] == "user" for m in c["messages"]) <= 2 for c in held)
