@@ -143,14 +143,14 @@ def main() -> int:
     p.add_argument("--variant-seeds", type=int, nargs="+", default=[0], help="seeds of the other variants")
     p.add_argument("--conversations", type=int, default=100, help="held-out conversations per evaluation")
     p.add_argument("--results", help="write the results file here (e.g. docs/results/sft.json)")
-    p.add_argument("sft_args", nargs="*", help="extra `k3 sft` flags after --, e.g. -- --threads 2")
+    p.add_argument("--threads", type=int, default=2, help="`k3 sft --threads` (default 2)")
     args = p.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     recs = []
     for v in args.variants:
         for seed in args.seeds if v == "qat" else args.variant_seeds:
-            rec = one(args.pretrained, out, v, seed, args.sft_args, args.conversations)
+            rec = one(args.pretrained, out, v, seed, ["--threads", str(args.threads)], args.conversations)
             f32, mx = rec["f32"], rec["mxfp4"]
             print(f"{v} seed {seed}: {rec['steps']} steps in {rec['sft_seconds'] / 60:.1f} min; "
                   + "; ".join(f"{t}: JSON {d['valid_json']:.1%}, call {d['right_call']:.1%}, "
