@@ -1,6 +1,6 @@
 """The engine's memory outside torch's allocator: glibc's heap kept for the next forward
 (`keep_freed_memory`, `release_free_memory`), and a model's CPU weights moved into transparent huge pages
-for decode (`rehome`). Neither changes any value; both are measured in docs/serving.md and
+for decode (`rehome`). Neither changes any value; both are measured in docs/engine.md and
 docs/benchmarks.md.
 """
 

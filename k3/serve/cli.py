@@ -25,7 +25,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "--compile",
         action="store_true",
         help="torch.compile the batch-1 decode step and the prefill activations (needs a C++ compiler; done "
-        "at start-up, tens of seconds; k3-tiny on a CPU: ~2.8x faster single-stream decode, docs/serving.md)",
+        "at start-up, tens of seconds; k3-tiny on a CPU: ~2.8x faster single-stream decode, docs/engine.md)",
     )
     parser.add_argument(
         "--dequantize",

@@ -29,7 +29,7 @@ from k3.infer.cache.paged_mla import PagedDecodeMLAState
 
 # Inductor turns one-row mat-muls (every projection of a batch-1 step) into fused multiply-reduce loops
 # that stream the weight once; on a CPU these run faster than the BLAS gemv calls they replace (k3-tiny,
-# 1 thread: 6.2 vs 9.8 ms per token, docs/serving.md) and fuse with their neighbours.
+# 1 thread: 6.2 vs 9.8 ms per token, docs/engine.md) and fuse with their neighbours.
 INDUCTOR_OPTIONS = {"post_grad_fusion_options": {"decompose_mm_pass": {}}}
 
 
