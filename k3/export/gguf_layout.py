@@ -1,7 +1,7 @@
 """Our state_dict -> the tensors of llama.cpp's `kimi-k3` GGUF: names, layouts and fusions. Pure torch.
 
 The contract is llama.cpp's loader for the arch (`src/models/kimi-k3.cpp`, `load_arch_tensors`) and the
-transformations its converter applies (`conversion/kimi_k3.py`); docs/interop.md lists them. Every
+transformations its converter applies (`conversion/kimi_k3.py`); docs/gguf.md lists them. Every
 tensor is yielded in torch layout ([out, in] for a matrix, [E, out, in] for stacked experts): GGUF
 writes the dimensions reversed, so ggml's `ne0` is the last torch dimension, the input width.
 
