@@ -7,7 +7,7 @@
     batch = next(loader)                                     # input_ids, labels, cu_seqlens, doc_ids
 
 It trains (or loads the cached) tokenizer on the training split and tokenizes both splits once; all of it
-is cached under ``$K3_CACHE_DIR/tokenizers/<corpus fingerprint>-<vocab_size>/`` (see docs/training.md),
+is cached under ``$K3_CACHE_DIR/tokenizers/<corpus fingerprint>-<vocab_size>/`` (see docs/data.md),
 with ``corpus.json``: what loading read, held out and skipped (`PreparedData.stats`, `describe_data`).
 A bad record raises ValueError unless ``skip_bad`` (k3.data.corpus); a cache built with ``skip_bad``
 that skipped records is read again without it, so the same error comes.

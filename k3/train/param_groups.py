@@ -1,6 +1,6 @@
 """Which parameter goes to which optimizer: Per-Head Muon for hidden matrices, AdamW for the rest.
 
-The table is docs/spec_training.md#per-head-muon (see docs/training.md); H is the layer's head count:
+The table is docs/spec_training.md#per-head-muon (see docs/optimizer.md); H is the layer's head count:
 
 | parameter (leaf name inside its module)                          | optimizer | head_split |
 |------------------------------------------------------------------|-----------|------------|
