@@ -2,7 +2,7 @@
 
 A tensor is cut into blocks of 32 consecutive elements along its last dim. Each block stores one E8M0
 scale byte (a bare power of two, 2^(byte - 127), byte 255 = NaN) and 32 element codes. Quantization
-(the OCP rule; see docs/quantization.md for the full contract):
+(the OCP rule; see docs/mx_formats.md for the full contract):
 
     shared_exp = clamp(floor(log2(amax_block)) - emax_elem, -127, 127)      scale byte = shared_exp + 127
     code_i     = RNE(clamp(x_i / 2^shared_exp, -max_elem, max_elem))       (saturating, ties to even)
