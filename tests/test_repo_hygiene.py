@@ -99,9 +99,6 @@ ALLOWED_PACKAGE_EDGES = {
     # while the trainer (k3/train/trainer.py, cli.py) applies parallelism: the split belongs to the
     # trainer's own refactor.
     ("k3.parallel", "k3.train"): "parallel.dcp / parallel.runtime use train.checkpointing / train.runtime",
-    # the release adapter dequantizes MXFP4 experts with the MX maths of k3/quant/mx.py (pure functions,
-    # imported lazily); k3/quant/checkpoint.py writes through k3.checkpoint.
-    ("k3.checkpoint", "k3.quant"): "checkpoint.adapter dequantizes with quant.mx",
 }
 
 
