@@ -95,10 +95,6 @@ ALLOWED_PACKAGE_EDGES = {
     # (k3/model/vision.py) and the VL model (k3/model/multimodal.py) build on them; the vision-by-layer
     # move puts them beside k3/config.py and k3/model.
     ("k3.model", "k3.vision"): "model.vision / model.multimodal read the vision config and media checks",
-    # k3/parallel/dcp.py and runtime.py build on the trainer's checkpoint layout and run-time settings,
-    # while the trainer (k3/train/trainer.py, cli.py) applies parallelism: the split belongs to the
-    # trainer's own refactor.
-    ("k3.parallel", "k3.train"): "parallel.dcp / parallel.runtime use train.checkpointing / train.runtime",
 }
 
 

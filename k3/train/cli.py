@@ -173,7 +173,7 @@ def _parallel_options(args: argparse.Namespace):
     makes the run distributed, with ep = 1)."""
     if args.ep is None and args.nproc is None:
         return None
-    from k3.parallel.runtime import ParallelOptions
+    from k3.train.distributed import ParallelOptions
 
     return ParallelOptions(ep=args.ep if args.ep is not None else 1)
 
