@@ -81,7 +81,7 @@ def _train_args(p: argparse.ArgumentParser) -> None:
         "--task",
         choices=("text", "vision"),
         default=None,
-        help="vision: the image-text task on a VL preset (k3-tiny-vl; k3.vision.train_vl, docs/vision.md)",
+        help="vision: the image-text task on a VL preset (k3-tiny-vl; k3.train.vl, docs/vision.md)",
     )
     p.add_argument(
         "--skip-bad",
@@ -180,7 +180,7 @@ def _parallel_options(args: argparse.Namespace):
 
 def run_train(args: argparse.Namespace) -> int:
     if args.task == "vision":
-        from k3.vision.train_vl import run_from_train_cli
+        from k3.train.vl import run_from_train_cli
 
         return run_from_train_cli(args)
     if args.nproc is not None and args.nproc < 1:
