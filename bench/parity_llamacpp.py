@@ -42,7 +42,7 @@ from k3.export.gguf import write_gguf  # noqa: E402
 from k3.export.source import load_source  # noqa: E402
 from k3.model.generate import generate  # noqa: E402
 from k3.model.moe import Router  # noqa: E402
-from k3.quant.mx import dequantize_mx, quantize_mx  # noqa: E402
+from k3.ops.mx import dequantize_mx, quantize_mx  # noqa: E402
 from k3.tokenizer import K3Tokenizer  # noqa: E402
 
 OUTTYPES = ("f32", "bf16", "q8_0", "mxfp4")

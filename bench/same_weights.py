@@ -33,7 +33,7 @@ _WRITER_FILES = (
     "export/gguf.py",
     "export/gguf_layout.py",
     "quant/checkpoint.py",
-    "quant/mx.py",
+    "ops/mx.py",
     "model/init.py",
     "checkpoint/io.py",
     "checkpoint/adapter.py",

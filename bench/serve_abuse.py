@@ -53,12 +53,12 @@ def make_checkpoints(root: Path) -> tuple[Path, Path]:
     import torch
 
     from k3.checkpoint.io import save_checkpoint
+    from k3.checkpoint.vl import save_vl_checkpoint
     from k3.config import preset
     from k3.model.init import init_weights
     from k3.model.multimodal import K3VLForCausalLM, init_vl_weights
     from k3.model.transformer import K3ForCausalLM
     from k3.tokenizer_train import train_tokenizer
-    from k3.vision.checkpoint import save_vl_checkpoint
     from k3.vision.config import vl_preset
 
     config = preset("k3-nano").replace(dtype="float32")

@@ -40,10 +40,18 @@ DOC_LINK = re.compile(r"\bdocs/([\w-]+\.md)\b")
 
 ENGINE_CORE = ("k3.infer.model_runner", "k3.infer.scheduler", "k3.infer.engine", "k3.infer.async_engine")
 # module prefix -> k3 subpackages it must never import
+# Floors, bottom up: config, ops, optim; vision (image inputs: vision config, decoding, pre-processing, media
+# placeholders, the synthetic task); model; checkpoint (the official layout, incl. VL checkpoints); quant;
+# parallel; export; infer; train and serve on top. A package imports only floors below its own.
+UPPER = ("k3.export", "k3.infer", "k3.train", "k3.serve")
 FORBIDDEN = {
-    "k3.config": ("k3.ops", "k3.model", "k3.train", "k3.infer", "k3.serve", "k3.parallel"),
-    "k3.ops": ("k3.model", "k3.train", "k3.infer", "k3.serve", "k3.parallel", "k3.optim"),
-    "k3.model": ("k3.train", "k3.infer", "k3.serve", "k3.parallel", "k3.optim", "torch.distributed"),
+    "k3.config": ("k3.ops", "k3.vision", "k3.model", "k3.checkpoint", "k3.quant", "k3.parallel", *UPPER),
+    "k3.ops": ("k3.vision", "k3.model", "k3.checkpoint", "k3.quant", "k3.parallel", "k3.optim", *UPPER),
+    "k3.vision": ("k3.model", "k3.checkpoint", "k3.quant", "k3.parallel", *UPPER),
+    "k3.model": ("k3.checkpoint", "k3.quant", "k3.parallel", "k3.optim", "torch.distributed", *UPPER),
+    "k3.checkpoint": ("k3.quant", "k3.parallel", *UPPER),
+    "k3.quant": ("k3.parallel", *UPPER),
+    "k3.parallel": UPPER,
     "k3.optim": ("k3.model", "k3.train", "k3.infer", "k3.serve"),
     "k3.serve": ("k3.model",),
     # the engine's rooms, bottom up: memory, cache (pools, prefix cache, paged MLA), decode (the torch and
@@ -84,25 +92,6 @@ def test_import_direction():
                     if any(name == f or name.startswith(f + ".") for f in forbidden)
                 ]
     assert not bad, "\n".join(bad)
-
-
-# Known circles between k3 packages (a package: k3.<name>, or a top-level module), each edge of one named
-# with why it stays for now. With these edges left out the package graph must have no circle, so a new
-# circle (or a new arrow back up) fails; an entry whose edge no longer exists fails too, so the list
-# only shrinks.
-ALLOWED_PACKAGE_EDGES = {
-    # vision/config.py (VisionConfig, K3VLConfig) and vision/media.py sit under k3/vision while the tower
-    # (k3/model/vision.py) and the VL model (k3/model/multimodal.py) build on them; the vision-by-layer
-    # move puts them beside k3/config.py and k3/model.
-    ("k3.model", "k3.vision"): "model.vision / model.multimodal read the vision config and media checks",
-    # k3/parallel/dcp.py and runtime.py build on the trainer's checkpoint layout and run-time settings,
-    # while the trainer (k3/train/trainer.py, cli.py) applies parallelism: the split belongs to the
-    # trainer's own refactor.
-    ("k3.parallel", "k3.train"): "parallel.dcp / parallel.runtime use train.checkpointing / train.runtime",
-    # the release adapter dequantizes MXFP4 experts with the MX maths of k3/quant/mx.py (pure functions,
-    # imported lazily); k3/quant/checkpoint.py writes through k3.checkpoint.
-    ("k3.checkpoint", "k3.quant"): "checkpoint.adapter dequantizes with quant.mx",
-}
 
 
 def _is_type_checking(node: ast.If) -> bool:
@@ -194,14 +183,10 @@ def test_no_module_import_circle():
     )
 
 
-def test_no_package_import_circle_beyond_the_known_ones():
-    packages = package_graph(module_graph())
-    stale = [edge for edge in ALLOWED_PACKAGE_EDGES if edge[1] not in packages.get(edge[0], ())]
-    assert not stale, f"allowed edges that no longer exist (remove them from ALLOWED_PACKAGE_EDGES): {stale}"
-    pruned = {
-        a: {b for b in targets if (a, b) not in ALLOWED_PACKAGE_EDGES} for a, targets in packages.items()
-    }
-    found = circles(pruned)
+def test_no_package_import_circle():
+    """Packages (k3.<name>, or a top-level module) import each other one way only: with the rules in
+    FORBIDDEN this keeps every arrow pointing down a floor."""
+    found = circles(package_graph(module_graph()))
     assert not found, "k3 packages that import each other:\n" + "\n".join(" <-> ".join(c) for c in found)
 
 

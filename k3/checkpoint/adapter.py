@@ -10,7 +10,7 @@ names, with three differences that this file converts:
   stores 96 heads as [128], docs/spec.md#tensors, docs/spec.md#choices); on load we also accept [H] and the
   legacy [1, 1, H, 1];
 * the release stores the routed experts as MXFP4 (`weight_packed` / `weight_scale` uint8, docs/spec.md#mxfp4);
-  on load they are decoded with `k3.quant.mx.dequantize_mx` to BF16 (FP32 if the embedding is FP32), which
+  on load they are decoded with `k3.ops.mx.dequantize_mx` to BF16 (FP32 if the embedding is FP32), which
   is exact (an FP4 value times a power of two always fits BF16). We always write BF16/FP32 experts
   (`weight`).
 
@@ -28,6 +28,7 @@ from collections import defaultdict
 import torch
 
 from k3.config import K3Config
+from k3.ops.mx import dequantize_mx
 
 PREFIX = "language_model."
 MULTIMODAL_PREFIXES = ("vision_tower.", "mm_projector.")
@@ -196,12 +197,6 @@ def _dequantize_expert(
     lacking = [p for p in _PACKED_PARTS if p not in parts]
     if lacking:
         raise ValueError(f"{name}: packed MXFP4 expert lacks {', '.join(lacking)}")
-    try:
-        from k3.quant.mx import dequantize_mx
-    except ImportError:
-        raise ValueError(
-            f"{name}: packed MXFP4 checkpoints are loaded by k3.quant, which is not available"
-        ) from None
     try:
         return dequantize_mx(parts["weight_packed"], parts["weight_scale"], "mxfp4", dtype=dtype)
     except ValueError as err:

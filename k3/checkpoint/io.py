@@ -17,6 +17,7 @@ Safety rules:
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import uuid
@@ -36,6 +37,9 @@ CONFIG_NAME = "config.json"
 SINGLE_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # 5 GB, as the HF convention
+# a training run keeps its checkpoints as RUN/checkpoints/step-<N>/ (local or DCP, k3.train.checkpointing and
+# k3.parallel.dcp); a directory being written is named .tmp-step-<N>-<id> and never matches
+_STEP_DIR = re.compile(r"^step-(\d+)$")
 
 
 # ---- save -----------------------------------------------------------------------------------------
@@ -401,3 +405,12 @@ def assign_meta_model(model: torch.nn.Module, state: dict, config: K3Config, sou
     if left:
         raise ValueError(f"{source}: tensors not in the checkpoint and not persistent: {short_list(left)}")
     return model
+
+
+def step_dirs(run_dir: str | Path) -> list[Path]:
+    """Complete training checkpoints of a run directory, oldest first."""
+    ck = Path(run_dir) / "checkpoints"
+    if not ck.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in ck.iterdir() if (m := _STEP_DIR.match(p.name)) and p.is_dir()]
+    return [p for _, p in sorted(found)]

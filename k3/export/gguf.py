@@ -31,7 +31,7 @@ import torch
 
 from k3.config import K3Config
 from k3.export.gguf_layout import ROUTED_EXPERTS, ROUTER, gguf_tensors
-from k3.quant.mx import quantize_mx
+from k3.ops.mx import quantize_mx
 from k3.tokenizer import K3Tokenizer
 
 ARCH = "kimi-k3"

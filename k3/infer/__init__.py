@@ -4,5 +4,6 @@ Request flow: `Engine.add_request` -> `Scheduler` (continuous batching, chunked 
 pure Python) -> `ModelRunner` (owns the device caches, calls the model) -> `sampler` -> outputs.
 Rooms: the engine core here (engine, scheduler, sequence, sampler, config, model_runner,
 async_engine); `cache/` (page and slot pools, prefix cache, paged MLA state); `decode/` (the torch and
-the native decode step, one chosen when the engine is built); `memory` (heap thresholds, huge pages).
+the native decode step, one chosen when the engine is built); `memory` (heap thresholds, huge pages);
+`media` and `vision` (image embeddings in the prompt; the VL front end).
 """

@@ -1,7 +1,7 @@
 """Per-sequence input-embedding overrides (image tokens) for the engine.
 
 A `MediaSpan` says: prompt positions [start, start + L) take `embeds` [L, D] instead of
-`embed_tokens(ids)` there (one image's projected patches from the vision tower, `k3.vision.serving`),
+`embed_tokens(ids)` there (one image's projected patches from the vision tower, `k3.infer.vision`),
 and `key` (the image's content hash) enters the prefix-cache hash of every unit that overlaps the span
 (`prefix_cache.chain_hashes`), so two different images never share cached state even though their
 token ids (all <|media_pad|>) are equal. The model runner consumes the spans during prefill, whatever the

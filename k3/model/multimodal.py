@@ -108,7 +108,7 @@ def init_vl_weights(
     projector_norm_init: the starting value of `mm_projector.post_norm.weight` [D]. With 1.0 the image
     tokens enter the LM at RMS 1 while text embeddings sit at RMS `initializer_range` (0.02): in the
     AttnRes depth mixtures the raw image embedding then dominates every layer's output at image positions
-    and the tower's gradients shrink; a small value (0.1, the train_vl default) puts both on a comparable
+    and the tower's gradients shrink; a small value (0.1, the k3.train.vl default) puts both on a comparable
     scale [C: the release does not say how its projector was initialised; docs/vision.md].
     """
     if not (math.isfinite(projector_norm_init) and projector_norm_init > 0):

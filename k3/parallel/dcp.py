@@ -20,7 +20,7 @@ from torch import nn
 from torch.distributed.checkpoint import DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from k3.checkpoint.io import fsync_path
+from k3.checkpoint.io import fsync_path, step_dirs
 from k3.config import K3Config
 
 CONFIG_NAME = "config.json"
@@ -68,7 +68,7 @@ def load_model_no_dist(path: str | Path, device: str = "cpu") -> tuple[nn.Module
     return model, config, int(state["step"])
 
 
-# ---- training checkpoints (the Trainer's, through k3.parallel.runtime) ------------------------------
+# ---- training checkpoints (the Trainer's, through k3.train.distributed) --------------------------
 STATE_JSON = "train_state.json"  # the name k3.train.checkpointing resolves a checkpoint by
 FORMAT = "dcp"
 
@@ -104,8 +104,6 @@ def save_training_dcp(
     import json
     import os
     import shutil
-
-    from k3.train.checkpointing import step_dirs
 
     main = not dist.is_initialized() or dist.get_rank() == 0
     ck = Path(run_dir) / "checkpoints"

@@ -4,7 +4,7 @@
       -> python -m torch.distributed.run --nproc-per-node=2 --nnodes=1 --master-addr=127.0.0.1
              --master-port=<free> -m k3.train --ep 2 ARGS              (N workers, LOCAL_RANK set)
 
-Each worker runs the one Trainer (k3/train/trainer.py) with a k3.parallel.runtime.DistributedRuntime:
+Each worker runs the one Trainer (k3/train/trainer.py) with a k3.train.distributed.DistributedRuntime:
 gloo on CPU, NCCL on CUDA. On several nodes run torchrun yourself with the same `-m k3.train ARGS`
 (docs/distributed.md). `python -m k3.parallel.launch --nproc N ARGS` is kept as an alias of
 `k3 train --nproc N ARGS`.

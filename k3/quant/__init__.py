@@ -1,28 +1,4 @@
-"""Quantization: OCP MX block formats (MXFP4 / MXFP8) used for K3's routed experts and QAT.
-
-`k3.quant.mx` is the fast path; `k3.quant.mx_reference` the per-block reference it is tested against.
+"""Quantization on top of the MX block formats (the formats' maths is `k3.ops.mx`, with its per-block
+reference `k3.ops.mx_reference`): QAT by module swap (`k3.quant.qat`), packed MXFP4 experts for inference
+(`k3.quant.packed`), MXFP4 checkpoints (`k3.quant.checkpoint`) and GGML's MXFP4 layout (`k3.quant.ggml`).
 """
-
-from k3.quant.mx import (
-    BLOCK_SIZE,
-    FORMATS,
-    MXFormat,
-    dequantize_mx,
-    e8m0_to_float,
-    fake_quant_mx,
-    pack_fp4,
-    quantize_mx,
-    unpack_fp4,
-)
-
-__all__ = [
-    "BLOCK_SIZE",
-    "FORMATS",
-    "MXFormat",
-    "dequantize_mx",
-    "e8m0_to_float",
-    "fake_quant_mx",
-    "pack_fp4",
-    "quantize_mx",
-    "unpack_fp4",
-]

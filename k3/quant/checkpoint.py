@@ -39,7 +39,7 @@ from k3.checkpoint.io import (
 )
 from k3.config import K3Config
 from k3.model.moe import RoutedExperts
-from k3.quant.mx import BLOCK_SIZE, dequantize_mx, quantize_mx
+from k3.ops.mx import BLOCK_SIZE, dequantize_mx, quantize_mx
 from k3.quant.packed import pack_model_experts
 
 # The release's text_config.quantization_config, verbatim (docs/spec.md#config).

@@ -14,16 +14,16 @@ elements is stored as n / B blocks of B elements:
     MXFP4  17 bytes / 32 elements: E8M0 scale byte e, 16 bytes of E2M1 nibbles; value = 2^(e-127) * fp4(q)
 
 In the nibble formats element j of a block is the low nibble of byte j and element j + 16 its high
-nibble. k3's own MXFP4 layout (`k3.quant.mx`) packs elements 2j / 2j+1 into byte j and keeps the scales
+nibble. k3's own MXFP4 layout (`k3.ops.mx`) packs elements 2j / 2j+1 into byte j and keeps the scales
 apart, so `mxfp4_to_packed` only moves nibbles. Every decode is exact in fp32: a product of an 8-bit
 integer (or an FP4 value) and an fp16 scale (or a power of two) fits in fp32's 24-bit significand. The
 one departure from ggml: an MXFP4 scale byte of 255 (which no quantizer writes for finite weights)
-decodes to NaN, as `k3.quant.mx` defines it.
+decodes to NaN, as `k3.ops.mx` defines it.
 """
 
 import torch
 
-from k3.quant.mx import dequantize_mx
+from k3.ops.mx import dequantize_mx
 
 BLOCK = 32
 # GGML type id -> name, for the types k3 decodes
@@ -97,7 +97,7 @@ def decode(raw: torch.Tensor, type_name: str, shape: tuple[int, ...]) -> torch.T
 
 def mxfp4_to_packed(raw: torch.Tensor, shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
     """MXFP4 blocks of a [..., n] tensor -> (weight_packed uint8 [..., n/2], weight_scale uint8 [..., n/32]),
-    the layout of `k3.quant.mx.quantize_mx` and of k3's packed experts; the codes are not decoded."""
+    the layout of `k3.ops.mx.quantize_mx` and of k3's packed experts; the codes are not decoded."""
     shape = tuple(int(s) for s in shape)
     b = _blocks(raw, "MXFP4", shape)
     scales = b[..., 0].contiguous()

@@ -23,7 +23,7 @@ from torch import nn
 from k3.model.moe import RoutedExperts
 from k3.ops.glu import GLUFn
 from k3.ops.moe import EXPERT_IMPLS, expert_mlp, experts_reference
-from k3.quant.mx import BLOCK_SIZE, dequantize_mx, quantize_mx
+from k3.ops.mx import BLOCK_SIZE, dequantize_mx, quantize_mx
 
 FMT = "mxfp4"
 

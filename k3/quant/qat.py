@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from k3.model.moe import RoutedExperts
-from k3.quant.mx import BLOCK_SIZE, fake_quant_mx, get_format
+from k3.ops.mx import BLOCK_SIZE, fake_quant_mx, get_format
 
 
 @dataclass(frozen=True)

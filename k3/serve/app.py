@@ -14,7 +14,7 @@ One request's failure stays its own: tokenizing errors answer 400, a failure whi
 detokenizing it ends that request with 500 (or an error event when streaming) while its batch goes on,
 and anything else unexpected answers 500 in the OpenAI shape. `max_tokens` is an upper bound (at most
 `--max-output-tokens`, also its default): generation also ends where the context does (finish_reason
-"length"). Images need an engine with `.vision` (`k3.vision.serving.load_vl_engine`).
+"length"). Images need an engine with `.vision` (`k3.infer.vision.load_vl_engine`).
 """
 
 from __future__ import annotations

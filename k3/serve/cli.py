@@ -121,9 +121,9 @@ def build_engine(args):
                        max_num_seqs=args.max_num_seqs, max_model_len=n,
                        enable_prefix_cache=not args.no_prefix_cache,
                        compile=getattr(args, "compile", False))  # fmt: skip
-    from k3.vision.serving import is_vl_checkpoint, load_vl_engine
+    from k3.infer.vision import is_vl_checkpoint, load_vl_engine
 
-    if is_vl_checkpoint(args.checkpoint):  # images through the chat API (k3.vision.serving)
+    if is_vl_checkpoint(args.checkpoint):  # images through the chat API (k3.infer.vision)
         engine = load_vl_engine(args.checkpoint, cfg, device=args.device)
     else:
         engine = load_engine(args.checkpoint, cfg, args.device, dequantize=args.dequantize)

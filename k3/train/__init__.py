@@ -8,6 +8,9 @@
 * ``evaluate``      validation loss, bits per byte, unigram baseline, samples
 * ``metrics``       metrics.jsonl, loss.png, progress bar, FLOPs / MFU, summary table
 * ``report``        the end of a run: final eval, export, sample, summary
+* ``runtime``       LocalRuntime: the trainer's device calls in one process
+* ``distributed``   DistributedRuntime: the same calls on a dp x ep mesh (k3.parallel), DCP checkpoints
+* ``vl``            `k3 train --task vision`: the image-text loop on a VL preset
 * ``ablate``        `k3 ablate`: K3 vs K2 and single-component swaps
 * ``cli``           `k3 train | eval | sample | ablate`
 

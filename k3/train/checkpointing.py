@@ -24,7 +24,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import re
 import shutil
 import time
 import uuid
@@ -36,13 +35,12 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from k3.checkpoint import load_checkpoint, save_checkpoint
-from k3.checkpoint.io import fsync_path
+from k3.checkpoint.io import fsync_path, step_dirs
 from k3.config import K3Config
 
 STATE_JSON = "train_state.json"
 STATE_TENSORS = "train_state.safetensors"
 FORMAT_VERSION = 1
-_STEP_DIR = re.compile(r"^step-(\d+)$")
 
 
 # ---- JSON encoding of optimizer state (tensors -> safetensors keys) --------------------------------
@@ -103,15 +101,6 @@ def _set_rng_state(state: dict, torch_state: torch.Tensor) -> None:
 
 
 # ---- save ------------------------------------------------------------------------------------------
-
-
-def step_dirs(run_dir: str | Path) -> list[Path]:
-    """Complete training checkpoints of a run, oldest first."""
-    ck = Path(run_dir) / "checkpoints"
-    if not ck.is_dir():
-        return []
-    found = [(int(m.group(1)), p) for p in ck.iterdir() if (m := _STEP_DIR.match(p.name)) and p.is_dir()]
-    return [p for _, p in sorted(found)]
 
 
 def save_training_checkpoint(

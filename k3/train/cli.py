@@ -81,7 +81,7 @@ def _train_args(p: argparse.ArgumentParser) -> None:
         "--task",
         choices=("text", "vision"),
         default=None,
-        help="vision: the image-text task on a VL preset (k3-tiny-vl; k3.vision.train_vl, docs/vision.md)",
+        help="vision: the image-text task on a VL preset (k3-tiny-vl; k3.train.vl, docs/vision.md)",
     )
     p.add_argument(
         "--skip-bad",
@@ -173,14 +173,14 @@ def _parallel_options(args: argparse.Namespace):
     makes the run distributed, with ep = 1)."""
     if args.ep is None and args.nproc is None:
         return None
-    from k3.parallel.runtime import ParallelOptions
+    from k3.train.distributed import ParallelOptions
 
     return ParallelOptions(ep=args.ep if args.ep is not None else 1)
 
 
 def run_train(args: argparse.Namespace) -> int:
     if args.task == "vision":
-        from k3.vision.train_vl import run_from_train_cli
+        from k3.train.vl import run_from_train_cli
 
         return run_from_train_cli(args)
     if args.nproc is not None and args.nproc < 1:

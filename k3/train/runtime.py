@@ -3,7 +3,7 @@
 The Trainer and `train_step` are written once; everything that differs between one process and a
 torch.distributed job goes through a runtime object with the methods below. `LocalRuntime` (this file)
 is one process on the CPU: reductions are the identity, the model is used as built, checkpoints are
-k3.train.checkpointing's. `k3.parallel.runtime.DistributedRuntime` overrides the same methods for a
+k3.train.checkpointing's. `k3.train.distributed.DistributedRuntime` overrides the same methods for a
 dp x ep mesh (parallelize, DistMuon, all-reduces, DCP checkpoints); see docs/distributed.md.
 
     model        prepare_model(model) -> model, muon_class, device

@@ -9,7 +9,7 @@
         from all micro-batches' scores
 
 Every reduction, the clip, QK-Clip's weight edit and the router update go through `runtime`
-(k3.train.runtime.LocalRuntime by default; k3.parallel.runtime.DistributedRuntime under torchrun), so
+(k3.train.runtime.LocalRuntime by default; k3.train.distributed.DistributedRuntime under torchrun), so
 the same step runs on one process or a dp x ep mesh. Ranks agree on every branch (skip or not): the
 loss is averaged over ranks before the finiteness test and the grad norm is global.
 

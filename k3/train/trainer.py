@@ -21,7 +21,7 @@ produces the same losses bit for bit as the uninterrupted run (tests/train/test_
 
 Parallelism: the same loop runs on one process or on a torch.distributed dp x ep mesh (`k3 train
 --nproc N`, torchrun). Everything that differs is a method of `self.rt` (k3.train.runtime.LocalRuntime,
-or k3.parallel.runtime.DistributedRuntime: parallelize, DistMuon, all-reduces, DCP checkpoints). Under
+or k3.train.distributed.DistributedRuntime: parallelize, DistMuon, all-reduces, DCP checkpoints). Under
 it `batch_size` is the global micro-batch (each rank reads its batch_size / world_size rows), so a run
 gives the same losses on any world size; rank 0 alone prints, logs and writes the run directory files.
 """
@@ -140,7 +140,7 @@ def lr_multiplier(tc: TrainConfig, step: int, total: int | None) -> float:
 
 def make_runtime(parallel=None, resume_from: Path | None = None) -> LocalRuntime:
     """The distributed runtime under torchrun, with explicit `parallel` options (a
-    k3.parallel.runtime.ParallelOptions) or to resume a DCP checkpoint; else one local process."""
+    k3.train.distributed.ParallelOptions) or to resume a DCP checkpoint; else one local process."""
     import os
 
     dcp = False
@@ -150,7 +150,7 @@ def make_runtime(parallel=None, resume_from: Path | None = None) -> LocalRuntime
         dcp = is_dcp_checkpoint(resume_from)
     if parallel is None and "LOCAL_RANK" not in os.environ and not dcp:
         return LocalRuntime()
-    from k3.parallel.runtime import DistributedRuntime
+    from k3.train.distributed import DistributedRuntime
 
     return DistributedRuntime(parallel)
 
@@ -193,7 +193,7 @@ class Trainer:
         parallel=None,
     ):
         """`tc` is the run's config; with `resume`, build it with `resume_config` (the saved one).
-        `parallel`: k3.parallel.runtime.ParallelOptions (the ep size); see make_runtime."""
+        `parallel`: k3.train.distributed.ParallelOptions (the ep size); see make_runtime."""
         self.started = time.perf_counter()
         self.phases: dict[str, float] = {}  # fixed costs: phase -> seconds (see the module doc)
         self.native_build_seconds = 0.0  # the part of the phases spent compiling C kernels

@@ -11,7 +11,7 @@ import torch
 from k3.config import preset
 from k3.export.gguf import hparams, mxfp4_blocks, stored_type, write_gguf
 from k3.export.gguf_layout import gguf_tensors
-from k3.quant.mx import dequantize_mx, quantize_mx
+from k3.ops.mx import dequantize_mx, quantize_mx
 
 NANO = preset("k3-nano")
 

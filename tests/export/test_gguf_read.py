@@ -28,8 +28,8 @@ from k3.infer.engine import Engine
 from k3.infer.sequence import SamplingParams
 from k3.model.init import init_weights
 from k3.model.transformer import K3ForCausalLM
+from k3.ops.mx import fake_quant_mx, quantize_mx
 from k3.quant.ggml import decode, mxfp4_to_packed
-from k3.quant.mx import fake_quant_mx, quantize_mx
 from k3.quant.packed import PackedRoutedExperts, expert_bytes
 from k3.tokenizer import K3Tokenizer
 from k3.tokenizer_train import train_tokenizer

@@ -1,13 +1,13 @@
-"""Tests for the MX formats (k3.quant.mx) against hand-made vectors and the per-block reference."""
+"""Tests for the MX formats (k3.ops.mx) against hand-made vectors and the per-block reference."""
 
 import math
 
 import pytest
 import torch
 
-from k3.quant import mx
-from k3.quant import mx_reference as ref
-from k3.quant.mx import (
+from k3.ops import mx
+from k3.ops import mx_reference as ref
+from k3.ops.mx import (
     FORMATS,
     dequantize_mx,
     e8m0_to_float,

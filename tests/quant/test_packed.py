@@ -16,8 +16,8 @@ from k3.model.moe import RoutedExperts
 from k3.model.transformer import K3ForCausalLM
 from k3.ops.glu import glu_fn
 from k3.ops.moe import route
+from k3.ops.mx import dequantize_mx, quantize_mx
 from k3.quant.checkpoint import load_mxfp4_checkpoint, save_mxfp4_checkpoint
-from k3.quant.mx import dequantize_mx, quantize_mx
 from k3.quant.packed import PackedRoutedExperts, PackedWeight, expert_bytes, pack_model_experts
 
 NANO = preset("k3-nano")

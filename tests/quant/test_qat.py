@@ -12,8 +12,8 @@ from k3.model.moe import RoutedExperts
 from k3.model.transformer import K3ForCausalLM
 from k3.ops.glu import glu_fn
 from k3.ops.moe import EXPERT_IMPLS, route
+from k3.ops.mx import fake_quant_mx
 from k3.quant import qat
-from k3.quant.mx import fake_quant_mx
 from k3.quant.qat import (
     QATRoutedExperts,
     convert_qat,

@@ -11,6 +11,7 @@ from k3.cli import main
 from k3.config import K3Config, preset
 from k3.model.init import init_weights
 from k3.model.transformer import K3ForCausalLM
+from k3.ops.mx import FP4_E2M1_VALUES, fake_quant_mx
 from k3.quant.checkpoint import (
     export_mxfp4,
     import_mxfp4,
@@ -19,7 +20,6 @@ from k3.quant.checkpoint import (
     save_mxfp4_checkpoint,
     with_mxfp4_config,
 )
-from k3.quant.mx import FP4_E2M1_VALUES, fake_quant_mx
 
 NANO = preset("k3-nano")
 E, I, Dl = NANO.num_experts, NANO.moe_intermediate_size, NANO.expert_width

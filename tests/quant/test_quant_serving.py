@@ -12,8 +12,8 @@ from k3.cli import main
 from k3.infer.sequence import SamplingParams
 from k3.model.init import init_weights
 from k3.model.moe import RoutedExperts
+from k3.ops.mx import dequantize_mx, fake_quant_mx
 from k3.quant.checkpoint import save_mxfp4_checkpoint
-from k3.quant.mx import dequantize_mx, fake_quant_mx
 from k3.quant.packed import PackedRoutedExperts, expert_bytes
 from k3.serve.cli import add_arguments, build_engine
 from k3.train.cli import _load

@@ -40,9 +40,9 @@ def _free_port() -> int:
 def vl_checkpoint(tmp_path_factory):
     import torch
 
+    from k3.checkpoint.vl import save_vl_checkpoint
     from k3.model.multimodal import K3VLForCausalLM, init_vl_weights
     from k3.tokenizer_train import train_tokenizer
-    from k3.vision.checkpoint import save_vl_checkpoint
     from k3.vision.config import vl_preset
 
     torch.manual_seed(0)

@@ -30,7 +30,7 @@ def test_string_url_form_and_training_layout_agree():
     served = render([{"role": "user", "content": [_img("data:x"), {"type": "text", "text": "how many?"}]}],
                     options=OPTS, images=urls)  # fmt: skip
     trained = render([{"role": "user", "content": f"{IMAGE_PLACEHOLDER}how many?"}], options=OPTS)
-    # the server renders exactly what k3.vision.train_vl trains on: the same text, and the same ids, since
+    # the server renders exactly what k3.train.vl trains on: the same text, and the same ids, since
     # encoding cuts the text at each placeholder (k3.vision.media.expand_image_placeholders)
     assert to_text(served) == to_text(trained) and to_text(trained).count(IMAGE_PLACEHOLDER) == 1
     assert [m for _, m in served if m] == [m for _, m in trained if m]
@@ -69,12 +69,12 @@ def test_images_refused_without_a_collector_or_outside_user_messages():
 
 
 def test_frontend_spans_cover_the_pad_runs():
+    from k3.infer.vision import VisionFrontend
     from k3.model.multimodal import K3VLForCausalLM, init_vl_weights
     from k3.tokenizer_train import train_tokenizer
     from k3.vision.config import vl_preset
     from k3.vision.image_io import encode_data_url
     from k3.vision.preprocess import batch_images
-    from k3.vision.serving import VisionFrontend
 
     torch.manual_seed(0)
     model = K3VLForCausalLM(vl_preset("k3-tiny-vl"))

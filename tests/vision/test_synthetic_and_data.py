@@ -144,8 +144,8 @@ def test_data_folder_bad_rows(tmp_path):
 
 
 def test_vl_checkpoint_round_trip(tmp_path):
+    from k3.checkpoint.vl import load_vl_checkpoint, save_vl_checkpoint
     from k3.model.multimodal import K3VLForCausalLM, init_vl_weights
-    from k3.vision.checkpoint import load_vl_checkpoint, save_vl_checkpoint
     from k3.vision.config import vl_preset
 
     m = K3VLForCausalLM(vl_preset("k3-tiny-vl"))

@@ -6,7 +6,7 @@ from k3.cli import main
 
 
 def test_task_vision_maps_flags(monkeypatch):
-    import k3.vision.train_vl as tvl
+    import k3.train.vl as tvl
 
     seen = {}
 
@@ -23,7 +23,7 @@ def test_task_vision_maps_flags(monkeypatch):
 
 
 def test_task_vision_refuses_text_only_flags(monkeypatch, capsys):
-    import k3.vision.train_vl as tvl
+    import k3.train.vl as tvl
 
     monkeypatch.setattr(tvl, "train", lambda args: pytest.fail("must not train"))
     assert main(["train", "--task", "vision", "--seq-len", "64"]) == 2

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from k3.vision import train_vl as T
+from k3.train import vl as T
 
 
 def test_parse_args_names_bad_kinds(capsys):
@@ -67,7 +67,7 @@ def test_short_run_calls_the_step_hook_with_gradients(tmp_path):
 def test_save_every_keeps_the_last_save_when_a_run_dies(tmp_path):
     import json
 
-    from k3.vision.checkpoint import load_vl_checkpoint
+    from k3.checkpoint.vl import load_vl_checkpoint
 
     def die_at_step_2(step, model, batch, out):
         if step == 2:

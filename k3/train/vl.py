@@ -2,7 +2,7 @@
 QA accuracy by greedy generation. A self-contained loop (AdamW, warmup-cosine from k3.optim.schedule,
 Quantile-Balancing router updates); `k3 train --task vision` runs it with the k3 train flags mapped.
 
-    python -m k3.vision.train_vl --preset k3-tiny-vl --steps 1500 --out runs/tiny-vl
+    python -m k3.train.vl --preset k3-tiny-vl --steps 1500 --out runs/tiny-vl
     k3 train --task vision --preset k3-tiny-vl --steps 1500 --batch-size 32 --out runs/tiny-vl
 
 Each sample is a chat turn in the XTML format with thinking off (`k3.chat_format`): the user message is
@@ -178,7 +178,7 @@ def train(args, on_step=None) -> dict:
     torch.manual_seed(args.seed)
     torch.set_num_threads(args.threads)
     if args.init:  # continue from a checkpoint of this loop (its weights and tokenizer)
-        from k3.vision.checkpoint import load_vl_checkpoint
+        from k3.checkpoint.vl import load_vl_checkpoint
 
         model, tok = load_vl_checkpoint(args.init), K3Tokenizer.from_dir(args.init)
         config = model.config
@@ -234,7 +234,7 @@ def train(args, on_step=None) -> dict:
 def _save(model: K3VLForCausalLM, tok: K3Tokenizer, out_dir: str, record: dict) -> None:
     """Write the checkpoint (weights + tokenizer) and `record` beside it: the held-out evaluation at the
     end, or {"step", "of", "partial"} for a mid-run save, so a stopped run keeps its last save."""
-    from k3.vision.checkpoint import save_vl_checkpoint
+    from k3.checkpoint.vl import save_vl_checkpoint
 
     out = save_vl_checkpoint(model, out_dir, tok)
     (out / "heldout_eval.json").write_text(json.dumps(record, indent=2) + "\n")

@@ -1,16 +1,16 @@
-"""Plain reference for k3.quant.mx: one block at a time, written for clarity, not speed.
+"""Plain reference for k3.ops.mx: one block at a time, written for clarity, not speed.
 
 Independent of the fast path in how it computes: element values come from decoding the bit fields
 (sign / exponent / mantissa) of every code, rounding is an exhaustive nearest-grid-value search with
 ties going to the even code, scales come from Python's math.frexp, and the arithmetic is float64.
-Only the format constants (bit widths, bias, emax, max) are shared with k3.quant.mx.
+Only the format constants (bit widths, bias, emax, max) are shared with k3.ops.mx.
 """
 
 import math
 
 import torch
 
-from k3.quant.mx import BLOCK_SIZE, MXFormat, get_format
+from k3.ops.mx import BLOCK_SIZE, MXFormat, get_format
 
 
 def decode_code(code: int, f: MXFormat) -> float:
@@ -59,7 +59,7 @@ def _quantize_block(block: list[float], f: MXFormat, grid) -> tuple[list[int], i
 
 
 def quantize_mx(x: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Reference of k3.quant.mx.quantize_mx: float [..., n] -> (codes uint8, scales uint8 [..., n/32])."""
+    """Reference of k3.ops.mx.quantize_mx: float [..., n] -> (codes uint8, scales uint8 [..., n/32])."""
     f = get_format(fmt)
     if not x.is_floating_point() or x.ndim == 0 or x.shape[-1] == 0 or x.shape[-1] % BLOCK_SIZE != 0:
         raise ValueError(f"x has shape {tuple(x.shape)} / dtype {x.dtype}: need float, last dim % 32 == 0")
@@ -81,7 +81,7 @@ def quantize_mx(x: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
 def dequantize_mx(
     codes: torch.Tensor, scales: torch.Tensor, fmt: str, dtype: torch.dtype = torch.float32
 ) -> torch.Tensor:
-    """Reference of k3.quant.mx.dequantize_mx: value = decode(code) * 2^(scale - 127); scale 255 -> NaN."""
+    """Reference of k3.ops.mx.dequantize_mx: value = decode(code) * 2^(scale - 127); scale 255 -> NaN."""
     f = get_format(fmt)
     flat_codes = codes.reshape(-1, codes.shape[-1]).tolist()
     flat_scales = scales.reshape(-1, scales.shape[-1]).tolist()

@@ -108,9 +108,9 @@ def is_vl_checkpoint(ckpt_dir: str | Path) -> bool:
 
 def load_vl_engine(ckpt_dir: str | Path, config=None, device: str = "cpu", limits: ImageLimits | None = None):
     """Engine over the checkpoint's language model, with `.vision` = its VisionFrontend."""
+    from k3.checkpoint.vl import load_vl_checkpoint
     from k3.infer.engine import Engine
     from k3.tokenizer import K3Tokenizer
-    from k3.vision.checkpoint import load_vl_checkpoint
 
     model = load_vl_checkpoint(ckpt_dir, device=device).eval()
     d = Path(ckpt_dir)

@@ -2,9 +2,9 @@
 127.0.0.1), ask each held-out synthetic question with its image as a PNG data: URL in an OpenAI
 `image_url` part (the official `openai` client, a few requests in flight), and score exact match.
 
-    python -m k3.vision.server_eval runs/tiny-vl -n 400 --out runs/tiny-vl/server_eval.json
+    python -m k3.serve.vl_eval runs/tiny-vl -n 400 --out runs/tiny-vl/server_eval.json
 
-The questions are `k3.vision.synthetic.examples("heldout", seed, n)`, the split `k3.vision.train_vl`
+The questions are `k3.vision.synthetic.examples("heldout", seed, n)`, the split `k3.train.vl`
 never trains on (the same ones its in-process `heldout_eval.json` scores), so the two figures compare.
 """
 

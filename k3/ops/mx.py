@@ -15,7 +15,7 @@ MXFP4 codes are packed two per byte, element 2j in the low nibble and 2j+1 in th
 [rows, cols] weight gives `weight_packed` [rows, cols/2] and `weight_scale` [rows, cols/32], exactly
 the compressed-tensors checkpoint layout (docs/spec.md#mxfp4).
 
-This is the fast (vectorized torch) path; `k3.quant.mx_reference` holds the per-block reference with the
+This is the fast (vectorized torch) path; `k3.ops.mx_reference` holds the per-block reference with the
 same signatures. All arithmetic is fp32; every scaling step multiplies by an exact power of two.
 """
 
