@@ -158,7 +158,12 @@ def main() -> int:
                   flush=True)  # fmt: skip
             recs.append(rec)
     if args.results:
-        command = f"python bench/sft_recipe.py PRETRAINED --out OUT {' '.join(sys.argv[3:])}".strip()
+        seeds = " ".join(map(str, args.seeds))
+        command = (
+            f"python bench/sft_recipe.py PRETRAINED --out OUT --seeds {seeds} "
+            f"--variants {' '.join(args.variants)} --threads {args.threads} "
+            f"--conversations {args.conversations}"
+        )
         Path(args.results).write_text(json.dumps(results(recs, command), indent=1) + "\n")
         print(f"wrote {args.results}")
     return 0

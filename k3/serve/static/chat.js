@@ -88,6 +88,13 @@ function settings() {
   const body = { temperature: num("temperature"), top_p: num("top-p"), top_k: num("top-k"),
                  max_tokens: num("max-tokens"), chat_template_kwargs: { thinking: $("thinking").checked } };
   if ($("thinking").checked) body.reasoning_effort = $("effort").value;
+  const tools = $("tools").value.trim();
+  if (tools) {
+    let parsed;
+    try { parsed = JSON.parse(tools); } catch (e) { throw new Error("Tools: not JSON (" + e.message + ")"); }
+    if (!Array.isArray(parsed)) throw new Error("Tools: a JSON array of function declarations, please");
+    body.tools = parsed;
+  }
   return body;
 }
 
@@ -151,12 +158,12 @@ async function generate() {
   const reply = { role: "assistant", content: "", reasoning_content: "" };
   const system = $("system").value.trim();
   const messages = (system ? [{ role: "system", content: system }] : []).concat(state.history);
-  const body = { model: state.model || "kimi-k3", messages, stream: true, stream_options: { include_usage: true },
-                 ...settings() };
   state.controller = new AbortController();
   setBusy(true);
   const started = performance.now();
   try {
+    const body = { model: state.model || "kimi-k3", messages, stream: true, stream_options: { include_usage: true },
+                   ...settings() };
     const r = await api("/v1/chat/completions", { method: "POST", body: JSON.stringify(body),
                                                   signal: state.controller.signal });
     for await (const chunk of sseEvents(r)) {
