@@ -133,25 +133,32 @@ def made_up(rng: random.Random, modules: list[str]) -> str:
             return dotted
 
 
+QUESTIONS = {  # tool -> (question templates, the thinking before the call)
+    "find": (
+        ["Which module defines `{}`?", "Where is `{}` defined?"],
+        "The user asks where `{}` is defined; I call find.",
+    ),
+    "signature": (
+        ["What arguments does `{}` take?", "What is the signature of `{}`?"],
+        "The user wants the signature of `{}`; I call signature.",
+    ),
+    "doc": (["What does `{}` do?", "What is `{}` for?"], "The user asks what `{}` does; I call doc."),
+}
+
+
+def _ask(rng: random.Random, conv: list, tool: str, name: str) -> str:
+    """Append a question about `name` that `tool` answers, the call and its result; return the result."""
+    questions, think = QUESTIONS[tool]
+    return _lookup(conv, tool, name, rng.choice(questions).format(name), think.format(name))
+
+
 def _made_up_conversation(rng: random.Random, modules: list[str]) -> dict:
     dotted = made_up(rng, modules)
     tool = rng.choice(["signature", "doc", "find"])
+    name = dotted.split(".", 1)[1] if tool == "find" else dotted
     conv: list[dict] = []
-    if tool == "find":
-        bare = dotted.split(".", 1)[1]
-        q = rng.choice(["Which module defines `{}`?", "Where is `{}` defined?"]).format(bare)
-        res = _lookup(conv, "find", bare, q, f"The user asks where `{bare}` is defined; I call find.")
-        _answer(conv, f"`{bare}`: {res}")
-    elif tool == "signature":
-        q = rng.choice(["What arguments does `{}` take?", "What is the signature of `{}`?"]).format(dotted)
-        res = _lookup(
-            conv, "signature", dotted, q, f"The user wants the signature of `{dotted}`; I call signature."
-        )
-        _answer(conv, f"`{dotted}`: {res}")
-    else:
-        q = rng.choice(["What does `{}` do?", "What is `{}` for?"]).format(dotted)
-        res = _lookup(conv, "doc", dotted, q, f"The user asks what `{dotted}` does; I call doc.")
-        _answer(conv, f"`{dotted}`: {res}")
+    res = _ask(rng, conv, tool, name)
+    _answer(conv, f"`{name}`: {res}")
     return {"messages": conv, "tools": st.TOOLS}
 
 
@@ -165,22 +172,17 @@ def conversation(rng: random.Random, modules: list[str], made_up_share: float = 
     dotted, sig, line, _ = rng.choice(pool)
     conv: list[dict] = []
     if kind in ("signature", "follow_up"):
-        q = rng.choice(["What arguments does `{}` take?", "What is the signature of `{}`?"]).format(dotted)
-        res = _lookup(
-            conv, "signature", dotted, q, f"The user wants the signature of `{dotted}`; I call signature."
-        )
+        res = _ask(rng, conv, "signature", dotted)
         _answer(conv, f"`{dotted}` takes {res}.")
         if kind == "follow_up":
             res = _lookup(conv, "doc", dotted, "And what does it do?", f"It is `{dotted}`; I call doc.")
             _answer(conv, f"`{dotted}`: {res}")
     elif kind == "doc":
-        q = rng.choice(["What does `{}` do?", "What is `{}` for?"]).format(dotted)
-        res = _lookup(conv, "doc", dotted, q, f"The user asks what `{dotted}` does; I call doc.")
+        res = _ask(rng, conv, "doc", dotted)
         _answer(conv, f"`{dotted}`: {res}")
     elif kind == "find":
         bare = dotted.split(".", 1)[1]
-        q = rng.choice(["Which module defines `{}`?", "Where is `{}` defined?"]).format(bare)
-        res = _lookup(conv, "find", bare, q, f"The user asks where `{bare}` is defined; I call find.")
+        res = _ask(rng, conv, "find", bare)
         _answer(conv, f"`{bare}` is defined in {res}.")
     else:  # both: two calls in one turn
         think = f"The user asks what `{dotted}` does and takes; I call doc and signature."
