@@ -28,6 +28,11 @@ class EngineConfig:
     # one-token rows through the whole-model C step (k3.infer.decode.native_step) where the model
     # qualifies: fp32 on the CPU, the release's K3 config
     native: bool = True
+    # prompt tokens through the native step too, each as a row that sees the rows before it: a request's
+    # tokens and logprobs are then the same bits whatever its chunking, batch mates, prefix-cache hits
+    # and thread count, and a prompt's last logits equal decode's (k3.infer.model_runner); needs `native`
+    # and costs prefill speed (docs/serving.md#deterministic-serving)
+    deterministic: bool = False
     # glibc keeps freed activations in the C heap for the next forward instead of faulting them in again
     # (k3.infer.memory; process-wide, glibc only)
     keep_freed_memory: bool = True

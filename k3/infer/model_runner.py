@@ -49,6 +49,12 @@ class ModelRunner:
                 rows = config.num_pages * config.page_size
                 self.mla[i] = torch.zeros(rows, width, device=self.device, dtype=self.dtype)
         self.decode = DecodeStep(self, compile=config.compile, native=config.native)
+        if config.deterministic and self.decode.native is None:
+            raise ValueError(
+                "deterministic serving runs every row through the native C step, which does not run this "
+                f"model: {self.decode.why_not_native}"
+            )
+        self.exact = config.deterministic  # every row through the native step (_native_rows)
         self.snapshot_nbytes = sum(
             t[0].numel() * t.element_size() for d in self.kda.values() for t in d.values()
         )
@@ -85,6 +91,8 @@ class ModelRunner:
             self.restore(slot, handle)
         for slot in plan.resets:
             self.reset(slot)
+        if self.exact and not any(s.media for s, _ in plan.items):
+            return self._native_rows(plan)
         groups: dict[int, list[int]] = {}
         for j, (_, n) in enumerate(plan.items):
             groups.setdefault(n, []).append(j)
@@ -95,6 +103,37 @@ class ModelRunner:
             logits = logits.cpu()  # sampling and its generators live on the CPU
             for r, j in enumerate(rows):
                 out[j] = logits[r]
+        return out
+
+    def _native_rows(self, plan: StepPlan) -> list[torch.Tensor]:
+        """`execute` through the native step for every row, prompt chunks included: each prompt token is
+        a row that sees the rows before it (k3.infer.decode.native_step.NativeDecodeStep.rows), so its
+        logits, latents and KDA states are the bits decode would give it, whatever the chunking, the
+        batch mates, the prefix-cache hits or the thread count. A prompt whose KDA state is captured
+        inside this chunk runs in two calls, split there, with the snapshot taken between them."""
+        step, V = self.decode.native, self.model.config.vocab_size
+        first, second = _RowSet(), _RowSet()
+        for j, (s, n) in enumerate(plan.items):
+            c = s.num_computed
+            split = s.capture if c < s.capture < c + n else c + n
+            want_all = s.params.prompt_logprobs is not None
+            for pos, tok in zip(range(c, c + n), _tokens(s, c, c + n), strict=True):
+                rows = first if pos < split else second
+                rows.add(j, tok, s.slot, s.block_table, pos, want_all or pos == len(s) - 1)
+        logits = [step.rows(*first.args()) if first.ids else None]
+        for s, n in plan.items:
+            c = s.num_computed
+            if c < s.capture < c + n:
+                s.captured = (s.capture, self.snapshot(s.slot))
+        logits.append(step.rows(*second.args()) if second.ids else None)
+        out = [torch.empty(0, V) for _ in plan.items]
+        parts: list[list[torch.Tensor]] = [[] for _ in plan.items]
+        for rows, lg in zip((first, second), logits, strict=True):
+            for r, j in enumerate(rows.owners):
+                parts[j].append(lg[r])
+        for j, p in enumerate(parts):
+            if p:
+                out[j] = torch.stack(p)
         return out
 
     def _forward(self, seqs: list[Sequence], n: int) -> torch.Tensor:
@@ -156,6 +195,26 @@ class ModelRunner:
         for i, pools in self.kda.items():
             for f in KDA_FIELDS:
                 pools[f][slots] = getattr(state[i], f).to(pools[f].dtype)
+
+
+class _RowSet:
+    """The rows of one native call: per row its token, slot, page table and position, and which rows
+    return logits (`owners`: the plan item of each returned row, in order)."""
+
+    def __init__(self):
+        self.ids, self.slots, self.tables, self.lengths, self.out, self.owners = [], [], [], [], [], []
+
+    def add(self, item: int, tok: int, slot: int, table: list[int], pos: int, keep: bool) -> None:
+        if keep:
+            self.out.append(len(self.ids))
+            self.owners.append(item)
+        self.ids.append(tok)
+        self.slots.append(slot)
+        self.tables.append(table)
+        self.lengths.append(pos)
+
+    def args(self) -> tuple:
+        return self.ids, self.slots, self.tables, self.lengths, self.out
 
 
 def _tokens(seq: Sequence, start: int, stop: int) -> list[int]:

@@ -28,6 +28,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "at start-up, tens of seconds; k3-tiny on a CPU: ~2.8x faster single-stream decode, docs/engine.md)",
     )
     parser.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="one answer per request: tokens and logprobs the same bits whatever the batch, prefill chunks, "
+        "prefix-cache hits and thread count (prompt tokens run through the native step; costs prefill "
+        "speed, docs/serving.md#deterministic-serving)",
+    )
+    parser.add_argument(
         "--dequantize",
         action="store_true",
         help="MXFP4 checkpoint: dequantize the routed experts to the model dtype (default: keep them packed)",
@@ -120,7 +127,8 @@ def build_engine(args):
     cfg = EngineConfig(page_size=args.page_size, prefix_unit=min(64, args.page_size), num_pages=pages,
                        max_num_seqs=args.max_num_seqs, max_model_len=n,
                        enable_prefix_cache=not args.no_prefix_cache,
-                       compile=getattr(args, "compile", False))  # fmt: skip
+                       compile=getattr(args, "compile", False),
+                       deterministic=getattr(args, "deterministic", False))  # fmt: skip
     from k3.infer.vision import is_vl_checkpoint, load_vl_engine
 
     if is_vl_checkpoint(args.checkpoint):  # images through the chat API (k3.infer.vision)

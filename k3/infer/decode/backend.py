@@ -29,6 +29,7 @@ class DecodeStep:
             self.native = NativeDecodeStep.build(runner) if why is None else None
             if why is None and self.native is None:
                 why = "the C step did not build (see the warning)"
+        self.why_not_native = None if self.native is not None else why
         torch_name = "torch, compiled at batch 1" if compile else "torch, eager"
         if self.native is not None:
             self.backend = f"native C step (up to {self.native.max_rows} rows; {torch_name} beyond)"

@@ -65,7 +65,7 @@ class Ends(ctypes.Structure):
     _fields_ = [(n, PTR) for n in ("embed", "norm", "out_res", "lm_head")]
 
 
-_STEP_ARGS = [PTR, PTR, PTR, I64, PTR, PTR, PTR, PTR, PTR, PTR, I64]
+_STEP_ARGS = [PTR, PTR, PTR, I64, PTR, PTR, PTR, PTR, PTR, I64, PTR, PTR, I64]
 
 
 class _LayoutEntry(ctypes.Structure):  # decode_step.c's LayoutEntry: field "" holds the struct's size
@@ -160,8 +160,15 @@ class NativeDecodeStep:
     # ---- the call ----------------------------------------------------------------------------------
     def __call__(self, ids: list[int], slots: list[int], tables: list[list[int]], lengths: list[int]):
         """Python rows (token, slot, page list, cached length) -> logits [B, 1, V] fp32."""
-        B, P = len(ids), self.dims.pages
-        flat = [*ids, *slots, *lengths]
+        return self.rows(ids, slots, tables, lengths, range(len(ids))).unsqueeze(1)
+
+    def rows(self, ids, slots, tables, lengths, out_rows) -> torch.Tensor:
+        """Rows as in `__call__` -> logits [len(out_rows), V] fp32 of the rows `out_rows` (ascending).
+
+        Consecutive rows of one slot at consecutive lengths are a prompt chunk: each row sees what the
+        rows before it wrote, and gets the bits it would get if it were decoded alone (decode_step.c)."""
+        B, P, n_out = len(ids), self.dims.pages, len(out_rows)
+        flat = [*ids, *slots, *lengths, *out_rows]
         for t in tables:  # only the pages a row's next key can reach are read: pad the rest with 0
             flat += t[:P]
             flat += [0] * (P - len(t[:P]))
@@ -171,13 +178,13 @@ class NativeDecodeStep:
         need = self._size_fn(ctypes.byref(self.dims), B, max(lengths) + 1, threads)
         if self._scratch.numel() < need:
             self._scratch = torch.empty(int(need * 1.25) + 1024)
-        logits = torch.empty(B, self.dims.V)
+        logits = torch.empty(n_out, self.dims.V)
         self.fn(
             ctypes.byref(self.dims), self.layers, ctypes.byref(self.ends), B,
-            base, base + B * step, base + 3 * B * step, base + 2 * B * step,
-            logits.data_ptr(), self._scratch.data_ptr(), threads,
+            base, base + B * step, base + (3 * B + n_out) * step, base + 2 * B * step,
+            base + 3 * B * step, n_out, logits.data_ptr(), self._scratch.data_ptr(), threads,
         )  # fmt: skip
-        return logits.view(B, 1, -1)
+        return logits
 
     # ---- the tables ----------------------------------------------------------------------------------
     def _ptr(self, t: torch.Tensor | None) -> int | None:

@@ -49,6 +49,13 @@ typedef struct {
     const uint8_t *mxq, *mxs; /* an MXFP4 W instead of w (x then split by mx_split_input) */
 } Job;
 
+/* inputs of `cols` floats per block of a product: 256 KB of them, a multiple of four (gemv_rows' 4 x 4
+ * tiles), at least 4 */
+static inline int64_t input_block(int64_t cols) {
+    const int64_t n = (65536 / (cols > 0 ? cols : 1)) / 4 * 4;
+    return n < 4 ? 4 : n;
+}
+
 /* this thread's share of the rows of several products (each Job: Y = W X^T for its own X), split by
  * weights read (rows x cols) rather than rows, so that products of different widths in one phase keep
  * the threads equally busy: row r of a job goes to the thread whose share holds the row's first weight */
@@ -64,10 +71,18 @@ static void run_jobs(const Job *jobs, int n, int t, int nt) {
             int64_t r0 = lo > base ? (lo - base + q->cols - 1) / q->cols : 0;
             int64_t r1 = hi < base + size ? (hi - base + q->cols - 1) / q->cols : q->rows;
             r1 = r1 < q->rows ? r1 : q->rows;
-            if (r0 < r1 && q->mxq)
-                gemv_rows_mx(q->mxq, q->mxs, q->cols, q->x, q->B, q->y, q->ldy, r0, r1);
-            else if (r0 < r1)
-                gemv_rows(q->w, q->cols, q->x, q->ldx, q->B, q->y, q->ldy, r0, r1);
+            /* many inputs (a prompt chunk): blocks of them that stay in L2 while the thread's weight rows
+             * pass over them, rather than every input once per four weight rows. A block is computed
+             * like any other batch of that size, and a row's sums do not depend on its batch (gemv.h) */
+            const int64_t chunk = input_block(q->cols);
+            for (int64_t b0 = 0; r0 < r1 && b0 < q->B; b0 += chunk) {
+                const int64_t nb = q->B - b0 < chunk ? q->B - b0 : chunk;
+                if (q->mxq)
+                    gemv_rows_mx(q->mxq, q->mxs, q->cols, q->x + b0 * q->cols, nb, q->y + b0 * q->ldy, q->ldy,
+                                 r0, r1);
+                else
+                    gemv_rows(q->w, q->cols, q->x + b0 * q->ldx, q->ldx, nb, q->y + b0 * q->ldy, q->ldy, r0, r1);
+            }
         }
         base += size;
     }
@@ -123,9 +138,10 @@ typedef struct {
     float *a, *b, *c, *d, *e, *f;          /* per-mixer / FFN temporaries, each [B, big] */
     float *scores;                          /* [nt, S] MLA softmax rows */
     int64_t *slot_rows, *slot_expert;       /* MoE: the row and the expert of each (row, choice) slot */
+    int64_t *run_start;                     /* KDA: first row of each run of rows in one slot, then B */
     float *slot_weight;
     Job *jobs; /* MoE: w1 + w3 per expert in use, then w2 per expert; MLA: two products per head */
-    int64_t big, n_slots, n_up, n_down;
+    int64_t big, n_slots, n_up, n_down, n_runs;
 } Scratch;
 
 static int64_t imax(int64_t a, int64_t b) { return a > b ? a : b; }
@@ -161,8 +177,9 @@ static Scratch carve(const Dims *d, int64_t B, float *p) {
     s.slot_rows = (int64_t *)p, p += slots * 2 * 2;   /* int64: two floats each; [2 * slots] */
     s.slot_expert = (int64_t *)p, p += slots * 2;     /* [slots] */
     s.slot_weight = p, p += slots * 2;                /* [2 * slots] */
+    s.run_start = (int64_t *)p, p += (B + 1) * 2;     /* [B + 1] */
     s.jobs = (Job *)p, p += (3 * slots + 2 * d->HM) * (int64_t)(sizeof(Job) / sizeof(float));
-    s.n_slots = s.n_up = s.n_down = 0;
+    s.n_slots = s.n_up = s.n_down = s.n_runs = 0;
     s.scores = p;
     return s;
 }

@@ -87,12 +87,17 @@ static void kda(const Dims *d, const Layer *l, Scratch *s, int64_t B, const int6
     Job jb = job(l->wfb, C, K, fa, big, B, z, big);
     run_jobs(&jb, 1, t, nt);
 #pragma omp barrier
+    /* one work item per (run of rows in one slot, head): a prefill chunk's rows share a slot, in position
+     * order, and each step reads the state (and conv history) the one before it wrote, so one thread takes
+     * the run's rows in order; decode rows are runs of one. Any split of the items gives the same bits */
     float q[512], k[512], v[512], g[512];
-    for (int64_t p = t; p < B * H; p += nt) {
-        const int64_t b = p / H, h = p % H, pn = p + nt;
-        const float *next = pn < B * H ? l->pool_rec + (slots[pn / H] * H + pn % H) * K * K : NULL;
-        kda_head(d, l, u + b * big, z + b * big, braw + b * big, gate + b * big, o + b * big, slots[b], h,
-                 q, k, v, g, next);
+    const int64_t *run = s->run_start, n_runs = s->n_runs;
+    for (int64_t p = t; p < n_runs * H; p += nt) {
+        const int64_t r = p / H, h = p % H, pn = p + nt;
+        const float *next = pn < n_runs * H ? l->pool_rec + (slots[run[pn / H]] * H + pn % H) * K * K : NULL;
+        for (int64_t b = run[r]; b < run[r + 1]; b++)
+            kda_head(d, l, u + b * big, z + b * big, braw + b * big, gate + b * big, o + b * big, slots[b], h,
+                     q, k, v, g, b + 1 == run[r + 1] ? next : NULL);
     }
 #pragma omp barrier
     Job jo = job(l->wo, D, C, o, big, B, s->y, D);

@@ -31,14 +31,22 @@ typedef struct {
     const float *embed, *norm, *out_res, *lm_head;
 } Ends;
 
-/* logits [B, V] for ids [B] at lengths [B] (cached tokens before this one), slots [B], block tables
- * [B, pages]; scratch of k3_decode_scratch_floats(d, B, max(lengths) + 1, threads) floats */
+/* logits [n_out, V] of rows out_rows [n_out] (ascending) for ids [B] at lengths [B] (cached tokens before
+ * this one), slots [B], block tables [B, pages]; scratch of k3_decode_scratch_floats(d, B, max(lengths) +
+ * 1, threads) floats.
+ *
+ * Rows of one slot may follow each other at consecutive lengths (a prompt chunk): each then sees the
+ * latents and the state its predecessors wrote, exactly as if it were decoded after them, so a prompt
+ * fed in any split, beside any other rows, gives every row the bits decode would give it. */
 void k3_decode_step(const Dims *d, const Layer *layers, const Ends *ends, int64_t B, const int64_t *ids,
-                    const int64_t *slots, const int64_t *tables, const int64_t *lengths, float *logits,
-                    float *scratch, int64_t threads) {
+                    const int64_t *slots, const int64_t *tables, const int64_t *lengths, const int64_t *out_rows,
+                    int64_t n_out, float *logits, float *scratch, int64_t threads) {
     int64_t S_max = 1;
     for (int64_t b = 0; b < B; b++) S_max = lengths[b] + 1 > S_max ? lengths[b] + 1 : S_max;
     Scratch s = carve(d, B, scratch);
+    for (int64_t b = 0; b < B; b++) /* runs of rows in one slot (the KDA phase's work items) */
+        if (b == 0 || slots[b] != slots[b - 1]) s.run_start[s.n_runs++] = b;
+    s.run_start[s.n_runs] = B;
     const int64_t D = d->D, BD = B * D;
     for (int64_t b = 0; b < B; b++) memcpy(s.buf + b * D, ends->embed + ids[b] * D, D * sizeof(float));
     int64_t nb = 0; /* completed blocks: buf[0 .. nb-1]; the partial sum is buf[nb] */
@@ -82,13 +90,14 @@ void k3_decode_step(const Dims *d, const Layer *layers, const Ends *ends, int64_
             if (t == 0) nb = n_blocks + closes;
 #pragma omp barrier
         }
-        for (int64_t b = t; b < B; b += nt) {
+        for (int64_t j = t; j < n_out; j += nt) { /* only the rows whose logits are wanted, packed */
+            const int64_t b = out_rows[j];
             for (int64_t i = 0; i <= nb; i++) src[i] = s.buf + i * BD + b * D;
-            attn_res(src, (int)nb + 1, ends->out_res, s.h + b * D, D, d->res_eps);
-            rms_norm(s.h + b * D, ends->norm, s.xn + b * D, D, d->rms_eps);
+            attn_res(src, (int)nb + 1, ends->out_res, s.h + j * D, D, d->res_eps);
+            rms_norm(s.h + j * D, ends->norm, s.xn + j * D, D, d->rms_eps);
         }
 #pragma omp barrier
-        Job jh = job(ends->lm_head, d->V, D, s.xn, D, B, logits, d->V);
+        Job jh = job(ends->lm_head, d->V, D, s.xn, D, n_out, logits, d->V);
         run_jobs(&jh, 1, t, nt);
         ftz_end(mode);
     }
@@ -97,7 +106,8 @@ void k3_decode_step(const Dims *d, const Layer *layers, const Ends *ends, int64_
 int64_t k3_decode_scratch_floats(const Dims *d, int64_t B, int64_t S, int64_t nt) {
     const int64_t nbuf = d->L / d->block + 3;
     const int64_t slots = B * d->topk, job_floats = (3 * slots + 2 * d->HM) * (int64_t)(sizeof(Job) / sizeof(float));
-    return nbuf * B * d->D + 4 * B * d->D + 6 * B * big_width(d) + nt * S * MLA_GROUP + 6 * slots + job_floats + 64;
+    return nbuf * B * d->D + 4 * B * d->D + 6 * B * big_width(d) + nt * S * MLA_GROUP + 6 * slots + 2 * (B + 1) +
+           job_floats + 64;
 }
 
 /* ---- the layout Python mirrors -------------------------------------------------------------------------- */
