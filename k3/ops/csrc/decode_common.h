@@ -49,8 +49,8 @@ typedef struct {
     const uint8_t *mxq, *mxs; /* an MXFP4 W instead of w (x then split by mx_split_input) */
 } Job;
 
-/* inputs of `cols` floats per block of a product: 256 KB of them, a multiple of four (gemv_rows' 4 x 4
- * tiles), at least 4 */
+/* inputs of `cols` floats per block of a product with more than 64 inputs (never a decode batch): 256 KB
+ * of them, a multiple of four (gemv_rows' 4 x 4 tiles), at least 4 */
 static inline int64_t input_block(int64_t cols) {
     const int64_t n = (65536 / (cols > 0 ? cols : 1)) / 4 * 4;
     return n < 4 ? 4 : n;
@@ -74,12 +74,15 @@ static void run_jobs(const Job *jobs, int n, int t, int nt) {
             /* many inputs (a prompt chunk): blocks of them that stay in L2 while the thread's weight rows
              * pass over them, rather than every input once per four weight rows. A block is computed
              * like any other batch of that size, and a row's sums do not depend on its batch (gemv.h) */
-            const int64_t chunk = input_block(q->cols);
+            const int64_t chunk = q->B > 64 ? input_block(q->cols) : q->B; /* decode: one pass */
             for (int64_t b0 = 0; r0 < r1 && b0 < q->B; b0 += chunk) {
                 const int64_t nb = q->B - b0 < chunk ? q->B - b0 : chunk;
                 if (q->mxq)
                     gemv_rows_mx(q->mxq, q->mxs, q->cols, q->x + b0 * q->cols, nb, q->y + b0 * q->ldy, q->ldy,
                                  r0, r1);
+                else if (q->B > 64 && q->cols <= GEMV_WIDE_MAX_I)
+                    gemv_rows_wide(q->w, q->cols, q->x + b0 * q->ldx, q->ldx, nb, q->y + b0 * q->ldy, q->ldy, r0,
+                                   r1);
                 else
                     gemv_rows(q->w, q->cols, q->x + b0 * q->ldx, q->ldx, nb, q->y + b0 * q->ldy, q->ldy, r0, r1);
             }
