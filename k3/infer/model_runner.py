@@ -20,10 +20,12 @@ import torch
 from k3.infer.cache.paged_mla import PagedBatch, PagedMLAState
 from k3.infer.config import EngineConfig
 from k3.infer.decode.backend import DecodeStep
+from k3.infer.decode.native_step import unsupported as native_unsupported
 from k3.infer.media import embed_with_media
 from k3.infer.scheduler import StepPlan
 from k3.infer.sequence import Sequence
 from k3.model.state import KDAState
+from k3.model.transformer import K3ForCausalLM
 from k3.ops.glu import fused_activations
 
 KDA_FIELDS = ("conv_q", "conv_k", "conv_v", "recurrent")
@@ -35,6 +37,12 @@ class ModelRunner:
         mc = model.config
         p = next(model.parameters())
         self.device, self.dtype = p.device, model.model.embed_tokens.weight.dtype
+        # a bf16 model the native step runs keeps its caches fp32 and runs every row natively (its torch
+        # paths would read fp32 caches into bf16 maths)
+        self.bf16_native = (config.native and self.dtype == torch.bfloat16 and type(model) is K3ForCausalLM
+                            and native_unsupported(self) is None)  # fmt: skip
+        if self.bf16_native:
+            self.dtype = torch.float32
         la, n_slots = mc.linear_attn_config, config.max_num_seqs
         C, W = la.num_heads * la.head_dim, la.short_conv_kernel_size
         self.mla: dict[int, torch.Tensor] = {}
@@ -54,7 +62,10 @@ class ModelRunner:
                 "deterministic serving runs every row through the native C step, which does not run this "
                 f"model: {self.decode.why_not_native}"
             )
-        self.exact = config.deterministic  # every row through the native step (_native_rows)
+        if self.bf16_native and self.decode.native is None:
+            why = self.decode.why_not_native
+            raise RuntimeError(f"the native step did not build for a bf16 model: {why}")
+        self.exact = config.deterministic or self.bf16_native  # every row through the native step
         self.snapshot_nbytes = sum(
             t[0].numel() * t.element_size() for d in self.kda.values() for t in d.values()
         )

@@ -207,20 +207,20 @@ def test_the_backend_is_chosen_once_when_the_engine_is_built_and_logged(caplog):
     with caplog.at_level(logging.INFO, logger="k3.infer"):
         on = Engine(model, EngineConfig(**CFG))
         off = Engine(model, EngineConfig(**CFG, native=False))
-        bf16 = Engine(model_of(VARIANTS["nano"]).to(torch.bfloat16), EngineConfig(**CFG))
+        half = Engine(model_of(VARIANTS["nano"]).to(torch.float16), EngineConfig(**CFG))
     assert isinstance(on.runner.decode.native, NativeDecodeStep)  # built, before any step
-    assert off.runner.decode.native is None and bf16.runner.decode.native is None
+    assert off.runner.decode.native is None and half.runner.decode.native is None
     said = [r.getMessage() for r in caplog.records if r.name == "k3.infer"]
     assert said == [
         "decode backend: native C step (up to 64 rows; torch, eager beyond)",
         "decode backend: torch, eager (EngineConfig.native is off)",
-        "decode backend: torch, eager (the model is not fp32 on the CPU)",
+        "decode backend: torch, eager (the model is neither fp32 nor bf16 on the CPU)",
     ]
 
 
 def test_it_declines_what_it_does_not_compute(monkeypatch):
-    bf16 = Engine(model_of(VARIANTS["nano"]).to(torch.bfloat16), EngineConfig(**CFG))
-    assert "fp32" in unsupported(bf16.runner) and NativeDecodeStep.build(bf16.runner) is None
+    half = Engine(model_of(VARIANTS["nano"]).to(torch.float16), EngineConfig(**CFG))
+    assert "fp32" in unsupported(half.runner) and NativeDecodeStep.build(half.runner) is None
     ablation = Engine(model_of(NANO.replace(use_attn_res=False)), EngineConfig(**CFG))
     assert "use_attn_res" in unsupported(ablation.runner)
     monkeypatch.setenv("K3_NATIVE", "0")
@@ -247,3 +247,46 @@ def test_the_ctypes_structs_match_the_c_layout(monkeypatch):
     monkeypatch.setattr(native_step, "layout_problems", lambda: ["Ends.norm: C says 8, Python 16"])
     with pytest.raises(RuntimeError, match="structs differ from their ctypes mirrors.*Ends.norm"):
         NativeDecodeStep.build(Engine(model_of(NANO), EngineConfig(**CFG, native=False)).runner)
+
+
+@pytest.mark.parametrize("experts", ["stacked", "mxfp4"])
+def test_bf16_weights_give_the_bits_of_their_fp32_copy(prompt, experts):
+    """A bf16 model (the release's storage: bf16, routed experts MXFP4 or not) runs natively, every row,
+    with its weights widened exactly in registers: tokens and logprobs equal those of the same weights
+    as fp32 (an exact copy) in the deterministic engine, bit for bit; its caches are fp32."""
+    from k3.quant.packed import pack_model_experts
+
+    pack = pack_model_experts if experts == "mxfp4" else (lambda m: m)
+    bf16 = pack(model_of(VARIANTS["wider, top-3 of 16, 2 shared, AttnRes blocks of 3"]).to(torch.bfloat16))
+    f32 = pack(
+        model_of(VARIANTS["wider, top-3 of 16, 2 shared, AttnRes blocks of 3"]).to(torch.bfloat16).float()
+    )
+    params = SamplingParams(max_tokens=12, logprobs=5, ignore_eos=True)
+    prompts = [prompt(70, 1), prompt(9, 2), prompt(33, 3)]
+    a = Engine(bf16, EngineConfig(**CFG))
+    b = Engine(f32, EngineConfig(**CFG, deterministic=True))
+    assert a.runner.exact and a.runner.dtype == torch.float32
+    assert all(t.dtype == torch.float32 for t in a.runner.mla.values())
+    got = [(s.output, s.logprobs) for s in a.generate(prompts, params)]
+    assert got == [(s.output, s.logprobs) for s in b.generate(prompts, params)]
+
+
+def test_the_release_format_runs_natively(tmp_path, prompt):
+    """`k3 quantize`'s layout (routed experts MXFP4, the rest bf16 with the release's fp32 tensors kept
+    fp32), loaded as `k3 serve` loads it: every row through the C step, with the bits of the same
+    weights widened to fp32."""
+    from k3.quant.checkpoint import save_mxfp4_checkpoint
+    from k3.serve.cli import load_engine
+
+    model = model_of(VARIANTS["nano"], seed=5)
+    save_mxfp4_checkpoint(model, model.config, tmp_path / "rel")
+    rel = load_engine(str(tmp_path / "rel"), EngineConfig(**CFG))
+    dtypes = {p.dtype for p in rel.model.parameters()}
+    assert dtypes == {torch.bfloat16, torch.float32} and rel.runner.exact
+    ref = load_engine(str(tmp_path / "rel"), EngineConfig(**CFG, deterministic=True))
+    ref.model.float()
+    ref = Engine(ref.model, EngineConfig(**CFG, deterministic=True))
+    params = SamplingParams(max_tokens=10, logprobs=3, ignore_eos=True)
+    prompts = [prompt(50, 4), prompt(12, 5)]
+    got = [(s.output, s.logprobs) for s in rel.generate(prompts, params)]
+    assert got == [(s.output, s.logprobs) for s in ref.generate(prompts, params)]

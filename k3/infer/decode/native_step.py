@@ -39,7 +39,7 @@ MAX_ROWS = 64  # rows per call; larger decode batches are matrix products torch'
 class Dims(ctypes.Structure):
     _fields_ = [
         *((n, I64) for n in "D V L H K W HM Dn Dr Dv R Q E topk I Dl Is Id".split()),
-        *((n, I64) for n in "dense_layers block page_size pages safe_gate latent_norm renorm pad".split()),
+        *((n, I64) for n in "dense_layers block page_size pages safe_gate latent_norm renorm bf16".split()),
         *((n, F32) for n in "rms_eps latent_eps res_eps l2_eps lower_bound beta1 beta2 scaling mla_scale "
           "kda_scale".split()),
     ]  # fmt: skip
@@ -102,9 +102,9 @@ def unsupported(runner) -> str | None:
     la = c.linear_attn_config
     if not native.enabled():
         return "native kernels are off (K3_NATIVE=0)"
-    if any(not native.fp32_cpu(p) for p in model.parameters()) or runner.device.type != "cpu":  # (packed
-        # experts are uint8 buffers, not parameters)
-        return "the model is not fp32 on the CPU"
+    if runner.device.type != "cpu" or weight_dtype(model) is None:  # (packed experts are uint8 buffers,
+        # not parameters)
+        return "the model is neither fp32 nor bf16 on the CPU"
     from k3.model.moe import RoutedExperts
     from k3.quant.packed import PackedRoutedExperts
 
@@ -120,6 +120,24 @@ def unsupported(runner) -> str | None:
     return None
 
 
+def weight_dtype(model) -> torch.dtype | None:
+    """torch.float32 or torch.bfloat16 when every weight matrix of `model` (linear layers, embeddings,
+    stacked routed experts) has that dtype and every other parameter (norm gains, biases, conv kernels:
+    read as fp32 copies) is one of the two; else None."""
+    from k3.model.moe import RoutedExperts
+
+    matrices = set()
+    for m in model.modules():
+        if isinstance(m, (torch.nn.Linear, torch.nn.Embedding)):
+            matrices.add(m.weight)
+        elif isinstance(m, RoutedExperts):
+            matrices.update((m.w1, m.w2, m.w3))
+    kinds = {p.dtype for p in matrices}
+    others = {p.dtype for p in model.parameters() if all(p is not q for q in matrices)}
+    ok = {torch.float32, torch.bfloat16}
+    return kinds.pop() if len(kinds) == 1 and kinds <= ok and others <= ok else None
+
+
 class NativeDecodeStep:
     """The C decode step over `runner`'s model and pools (see the module docstring)."""
 
@@ -133,7 +151,7 @@ class NativeDecodeStep:
         m = runner.model
         self.ends = Ends(
             self._ptr(m.model.embed_tokens.weight),
-            self._ptr(m.model.norm.weight),
+            self._vec(m.model.norm.weight),
             self._ptr(_res_query(m.model.output_attn_res_norm, m.model.output_attn_res_proj)),
             self._ptr(m.lm_head.weight),
         )
@@ -187,6 +205,10 @@ class NativeDecodeStep:
         return logits
 
     # ---- the tables ----------------------------------------------------------------------------------
+    def _vec(self, t: torch.Tensor | None) -> int | None:
+        """A vector (a norm's gain, a bias, a conv kernel) as fp32, whatever the model's dtype."""
+        return None if t is None else self._ptr(t.detach().float())
+
     def _ptr(self, t: torch.Tensor | None) -> int | None:
         if t is None:
             return None
@@ -209,7 +231,7 @@ class NativeDecodeStep:
             Is=shared, Id=c.intermediate_size, dense_layers=c.first_k_dense_replace,
             block=c.attn_res_block_size, page_size=r.config.page_size, pages=block_table_width(r.config),
             safe_gate=int(la.gate_lower_bound is not None), latent_norm=int(c.latent_moe_use_norm),
-            renorm=int(c.moe_renormalize), pad=0,
+            renorm=int(c.moe_renormalize), bf16=int(weight_dtype(self.runner.model) == torch.bfloat16),
             rms_eps=c.rms_norm_eps, latent_eps=c.latent_norm_eps, res_eps=_attn_res_eps(),
             l2_eps=_l2_eps(), lower_bound=la.gate_lower_bound or 0.0,
             beta1=c.activation_situ_beta, beta2=c.activation_situ_linear_beta,
@@ -219,9 +241,10 @@ class NativeDecodeStep:
     def _layer(self, i: int) -> Layer:
         r, layer = self.runner, self.runner.model.model.layers[i]
         p = self._ptr
+        v = self._vec  # vectors fp32; matrices (p) as the model stores them (Dims.bf16)
         fields = dict(
-            attn_norm=p(layer.input_layernorm.weight),
-            ffn_norm=p(layer.post_attention_layernorm.weight),
+            attn_norm=v(layer.input_layernorm.weight),
+            ffn_norm=v(layer.post_attention_layernorm.weight),
             attn_res=p(_res_query(layer.self_attention_res_norm, layer.self_attention_res_proj)),
             ffn_res=p(_res_query(layer.mlp_res_norm, layer.mlp_res_proj)),
         )
@@ -230,10 +253,10 @@ class NativeDecodeStep:
             pools = r.kda[i]
             fields.update(
                 wq=p(a.q_proj.weight), wk=p(a.k_proj.weight), wv=p(a.v_proj.weight),
-                conv_q=p(a.q_conv1d.weight), conv_k=p(a.k_conv1d.weight), conv_v=p(a.v_conv1d.weight),
-                wfa=p(a.f_a_proj.weight), wfb=p(a.f_b_proj.weight), dt_bias=p(a.dt_bias),
+                conv_q=v(a.q_conv1d.weight), conv_k=v(a.k_conv1d.weight), conv_v=v(a.v_conv1d.weight),
+                wfa=p(a.f_a_proj.weight), wfb=p(a.f_b_proj.weight), dt_bias=v(a.dt_bias),
                 a_exp=p(a.A_log.detach().float().exp()), wb=p(a.b_proj.weight), wg=p(a.g_proj.weight),
-                o_norm=p(a.o_norm.weight), wo=p(a.o_proj.weight),
+                o_norm=v(a.o_norm.weight), wo=p(a.o_proj.weight),
                 pool_conv_q=pools["conv_q"].data_ptr(), pool_conv_k=pools["conv_k"].data_ptr(),
                 pool_conv_v=pools["conv_v"].data_ptr(), pool_rec=pools["recurrent"].data_ptr(),
             )  # fmt: skip
@@ -241,9 +264,9 @@ class NativeDecodeStep:
             q_lora = hasattr(a, "q_a_proj")
             fields.update(
                 wqa=p(a.q_a_proj.weight) if q_lora else None,
-                qa_norm=p(a.q_a_layernorm.weight) if q_lora else None,
+                qa_norm=v(a.q_a_layernorm.weight) if q_lora else None,
                 wqb=p(a.q_b_proj.weight if q_lora else a.q_proj.weight),
-                wkva=p(a.kv_a_proj_with_mqa.weight), kva_norm=p(a.kv_a_layernorm.weight),
+                wkva=p(a.kv_a_proj_with_mqa.weight), kva_norm=v(a.kv_a_layernorm.weight),
                 wkvb=p(a.kv_b_proj.weight), wkbt=p(_key_absorption(a.kv_b_proj.weight, r.model.config)),
                 mg=p(a.g_proj.weight), mo=p(a.o_proj.weight),
                 pool_lat=r.mla[i].data_ptr(),
@@ -252,9 +275,9 @@ class NativeDecodeStep:
             moe = layer.block_sparse_moe
             sh = moe.shared_experts
             fields.update(
-                router=p(moe.gate.weight), router_bias=p(moe.gate.e_score_correction_bias),
+                router=v(moe.gate.weight), router_bias=v(moe.gate.e_score_correction_bias),  # fp32 in C
                 lat_down=p(moe.routed_expert_down_proj.weight), lat_up=p(moe.routed_expert_up_proj.weight),
-                lat_norm=p(moe.routed_expert_norm.weight) if moe.routed_expert_norm is not None else None,
+                lat_norm=v(moe.routed_expert_norm.weight) if moe.routed_expert_norm is not None else None,
                 w_gate=p(sh.gate_proj.weight) if sh else None, w_up=p(sh.up_proj.weight) if sh else None,
                 w_down=p(sh.down_proj.weight) if sh else None,
             )  # fmt: skip

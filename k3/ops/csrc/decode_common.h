@@ -23,7 +23,8 @@ typedef struct {
     int64_t H, K, W;               /* KDA heads, head dim, conv width */
     int64_t HM, Dn, Dr, Dv, R, Q;  /* MLA heads, nope / rope / value dims, latent rank, q_lora (0: none) */
     int64_t E, topk, I, Dl, Is, Id; /* experts, top-k, expert width, latent width, shared width (0: none), dense width */
-    int64_t dense_layers, block, page_size, pages, safe_gate, latent_norm, renorm, pad;
+    int64_t dense_layers, block, page_size, pages, safe_gate, latent_norm, renorm;
+    int64_t bf16; /* the weight matrices (wjob's) are bf16, not fp32; vectors, router and wkbt stay fp32 */
     float rms_eps, latent_eps, res_eps, l2_eps, lower_bound, beta1, beta2, scaling, mla_scale, kda_scale;
 } Dims;
 
@@ -47,6 +48,7 @@ typedef struct {
     int64_t rows, cols, ldx, B, ldy;
     float *y;
     const uint8_t *mxq, *mxs; /* an MXFP4 W instead of w (x then split by mx_split_input) */
+    const uint16_t *wb;       /* a bf16 W instead of w */
 } Job;
 
 /* inputs of `cols` floats per block of a product with more than 64 inputs (never a decode batch): 256 KB
@@ -77,10 +79,17 @@ static void run_jobs(const Job *jobs, int n, int t, int nt) {
             const int64_t chunk = q->B > 64 ? input_block(q->cols) : q->B; /* decode: one pass */
             for (int64_t b0 = 0; r0 < r1 && b0 < q->B; b0 += chunk) {
                 const int64_t nb = q->B - b0 < chunk ? q->B - b0 : chunk;
+                const int wide = q->B > 64 && q->cols <= GEMV_WIDE_MAX_I;
                 if (q->mxq)
                     gemv_rows_mx(q->mxq, q->mxs, q->cols, q->x + b0 * q->cols, nb, q->y + b0 * q->ldy, q->ldy,
                                  r0, r1);
-                else if (q->B > 64 && q->cols <= GEMV_WIDE_MAX_I)
+                else if (q->wb && wide)
+                    gemv_rows_wide_bf16_staged(q->wb, q->cols, q->x + b0 * q->ldx, q->ldx, nb,
+                                               q->y + b0 * q->ldy, q->ldy, r0, r1);
+                else if (q->wb)
+                    gemv_rows_bf16(q->wb, q->cols, q->x + b0 * q->ldx, q->ldx, nb, q->y + b0 * q->ldy, q->ldy,
+                                   r0, r1);
+                else if (wide)
                     gemv_rows_wide(q->w, q->cols, q->x + b0 * q->ldx, q->ldx, nb, q->y + b0 * q->ldy, q->ldy, r0,
                                    r1);
                 else
@@ -93,14 +102,23 @@ static void run_jobs(const Job *jobs, int n, int t, int nt) {
 
 static inline Job job(const float *w, int64_t rows, int64_t cols, const float *x, int64_t ldx, int64_t B,
                       float *y, int64_t ldy) {
-    Job j = {w, x, rows, cols, ldx, B, ldy, y, NULL, NULL};
+    Job j = {w, x, rows, cols, ldx, B, ldy, y, NULL, NULL, NULL};
+    return j;
+}
+
+/* a product with one of the model's weight matrices, `base` + `offset` elements: bf16 or fp32 as the
+ * model stores them (d->bf16) */
+static inline Job wjob(const Dims *d, const void *base, int64_t offset, int64_t rows, int64_t cols,
+                       const float *x, int64_t ldx, int64_t B, float *y, int64_t ldy) {
+    if (!d->bf16) return job((const float *)base + offset, rows, cols, x, ldx, B, y, ldy);
+    Job j = {NULL, x, rows, cols, ldx, B, ldy, y, NULL, NULL, (const uint16_t *)base + offset};
     return j;
 }
 
 /* expert e's MXFP4 matrix [rows, cols] of a stacked packed weight */
 static inline Job mx_job(const uint8_t *q, const uint8_t *sc, int64_t e, int64_t rows, int64_t cols,
                          const float *xs, int64_t B, float *y, int64_t ldy) {
-    Job j = {NULL, xs, rows, cols, cols, B, ldy, y, q + e * rows * (cols / 2), sc + e * rows * (cols / 32)};
+    Job j = {NULL, xs, rows, cols, cols, B, ldy, y, q + e * rows * (cols / 2), sc + e * rows * (cols / 32), NULL};
     return j;
 }
 

@@ -17,12 +17,12 @@ static void situ_split(float *g, const float *u, int64_t rows, int64_t n, int64_
 
 static void dense(const Dims *d, const Layer *l, Scratch *s, int64_t B, int t, int nt) {
     const int64_t D = d->D, I = d->Id, big = s->big;
-    Job jobs[2] = {job(l->w_gate, I, D, s->xn, D, B, s->a, big), job(l->w_up, I, D, s->xn, D, B, s->b, big)};
+    Job jobs[2] = {wjob(d, l->w_gate, 0, I, D, s->xn, D, B, s->a, big), wjob(d, l->w_up, 0, I, D, s->xn, D, B, s->b, big)};
     run_jobs(jobs, 2, t, nt);
 #pragma omp barrier
     situ_split(s->a, s->b, B, I, big, d, t, nt);
 #pragma omp barrier
-    Job jd = job(l->w_down, D, I, s->a, big, B, s->y, D);
+    Job jd = wjob(d, l->w_down, 0, D, I, s->a, big, B, s->y, D);
     run_jobs(&jd, 1, t, nt);
 }
 
@@ -68,8 +68,8 @@ static void moe(const Dims *d, const Layer *l, Scratch *s, int64_t B, int t, int
     float *logits = s->a, *z = s->a + E; /* [B, E | Dl] */
     float *sg = s->b, *su = s->c;       /* shared experts' gate / up [B, Is] */
     Job jobs[4] = {
-        job(l->router, E, D, s->xn, D, B, logits, big), job(l->lat_down, Dl, D, s->xn, D, B, z, big),
-        job(l->w_gate, Is, D, s->xn, D, B, sg, big), job(l->w_up, Is, D, s->xn, D, B, su, big),
+        job(l->router, E, D, s->xn, D, B, logits, big), wjob(d, l->lat_down, 0, Dl, D, s->xn, D, B, z, big),
+        wjob(d, l->w_gate, 0, Is, D, s->xn, D, B, sg, big), wjob(d, l->w_up, 0, Is, D, s->xn, D, B, su, big),
     };
     run_jobs(jobs, Is ? 4 : 2, t, nt);
 #pragma omp barrier
@@ -95,9 +95,9 @@ static void moe(const Dims *d, const Layer *l, Scratch *s, int64_t B, int t, int
                 up[s->n_up++] = mx_job(l->w3q, l->w3s, e, I, Dl, zs + i * Dl, m, us + i * I, I);
                 down[s->n_down++] = mx_job(l->w2q, l->w2s, e, Dl, I, us + i * I, m, ys + i * Dl, Dl);
             } else {
-                up[s->n_up++] = job(l->w1 + e * I * Dl, I, Dl, zs + i * Dl, Dl, m, gs + i * I, I);
-                up[s->n_up++] = job(l->w3 + e * I * Dl, I, Dl, zs + i * Dl, Dl, m, us + i * I, I);
-                down[s->n_down++] = job(l->w2 + e * Dl * I, Dl, I, gs + i * I, I, m, ys + i * Dl, Dl);
+                up[s->n_up++] = wjob(d, l->w1, e * I * Dl, I, Dl, zs + i * Dl, Dl, m, gs + i * I, I);
+                up[s->n_up++] = wjob(d, l->w3, e * I * Dl, I, Dl, zs + i * Dl, Dl, m, us + i * I, I);
+                down[s->n_down++] = wjob(d, l->w2, e * Dl * I, Dl, I, gs + i * I, I, m, ys + i * Dl, Dl);
             }
             i += m;
         }
@@ -126,7 +126,7 @@ static void moe(const Dims *d, const Layer *l, Scratch *s, int64_t B, int t, int
         if (d->latent_norm) rms_norm(u, l->lat_norm, u, Dl, d->rms_eps);
     }
 #pragma omp barrier
-    Job out[2] = {job(l->lat_up, D, Dl, ul, big, B, s->y, D), job(l->w_down, D, Is, sg, big, B, s->y2, D)};
+    Job out[2] = {wjob(d, l->lat_up, 0, D, Dl, ul, big, B, s->y, D), wjob(d, l->w_down, 0, D, Is, sg, big, B, s->y2, D)};
     run_jobs(out, Is ? 2 : 1, t, nt);
 #pragma omp barrier
     if (Is) {

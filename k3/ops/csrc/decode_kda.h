@@ -78,13 +78,13 @@ static void kda(const Dims *d, const Layer *l, Scratch *s, int64_t B, const int6
     const int64_t D = d->D, H = d->H, K = d->K, C = H * K, big = s->big;
     float *u = s->a, *gate = s->b, *fa = s->c, *z = s->d, *o = s->e, *braw = s->f;
     const Job jobs[6] = {
-        job(l->wq, C, D, s->xn, D, B, u, big), job(l->wk, C, D, s->xn, D, B, u + C, big),
-        job(l->wv, C, D, s->xn, D, B, u + 2 * C, big), job(l->wg, C, D, s->xn, D, B, gate, big),
-        job(l->wfa, K, D, s->xn, D, B, fa, big), job(l->wb, H, D, s->xn, D, B, braw, big),
+        wjob(d, l->wq, 0, C, D, s->xn, D, B, u, big), wjob(d, l->wk, 0, C, D, s->xn, D, B, u + C, big),
+        wjob(d, l->wv, 0, C, D, s->xn, D, B, u + 2 * C, big), wjob(d, l->wg, 0, C, D, s->xn, D, B, gate, big),
+        wjob(d, l->wfa, 0, K, D, s->xn, D, B, fa, big), wjob(d, l->wb, 0, H, D, s->xn, D, B, braw, big),
     };
     run_jobs(jobs, 6, t, nt);
 #pragma omp barrier
-    Job jb = job(l->wfb, C, K, fa, big, B, z, big);
+    Job jb = wjob(d, l->wfb, 0, C, K, fa, big, B, z, big);
     run_jobs(&jb, 1, t, nt);
 #pragma omp barrier
     /* one work item per (run of rows in one slot, head): a prefill chunk's rows share a slot, in position
@@ -100,7 +100,7 @@ static void kda(const Dims *d, const Layer *l, Scratch *s, int64_t B, const int6
                      q, k, v, g, b + 1 == run[r + 1] ? next : NULL);
     }
 #pragma omp barrier
-    Job jo = job(l->wo, D, C, o, big, B, s->y, D);
+    Job jo = wjob(d, l->wo, 0, D, C, o, big, B, s->y, D);
     run_jobs(&jo, 1, t, nt);
 }
 

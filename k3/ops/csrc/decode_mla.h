@@ -114,9 +114,9 @@ static void mla(const Dims *d, const Layer *l, Scratch *s, int64_t B, const int6
     float *qa = s->a, *kva = s->b, *gate = s->c, *q = s->d, *o = s->e, *ql = s->a, *ol = s->f;
     const int64_t qrows = d->Q ? d->Q : HM * Dh;
     Job jobs[3] = {
-        job(d->Q ? l->wqa : l->wqb, qrows, D, s->xn, D, B, d->Q ? qa : q, big),
-        job(l->wkva, RD, D, s->xn, D, B, kva, big),
-        job(l->mg, HM * Dv, D, s->xn, D, B, gate, big),
+        wjob(d, d->Q ? l->wqa : l->wqb, 0, qrows, D, s->xn, D, B, d->Q ? qa : q, big),
+        wjob(d, l->wkva, 0, RD, D, s->xn, D, B, kva, big),
+        wjob(d, l->mg, 0, HM * Dv, D, s->xn, D, B, gate, big),
     };
     run_jobs(jobs, 3, t, nt);
 #pragma omp barrier
@@ -128,7 +128,7 @@ static void mla(const Dims *d, const Layer *l, Scratch *s, int64_t B, const int6
     }
 #pragma omp barrier
     if (d->Q) {
-        Job jq = job(l->wqb, HM * Dh, d->Q, qa, big, B, q, big);
+        Job jq = wjob(d, l->wqb, 0, HM * Dh, d->Q, qa, big, B, q, big);
         run_jobs(&jq, 1, t, nt);
 #pragma omp barrier
     }
@@ -155,7 +155,7 @@ static void mla(const Dims *d, const Layer *l, Scratch *s, int64_t B, const int6
     }
     if (t == 0)
         for (int64_t h = 0; h < HM; h++) /* o[b, h, :] = W_uv[h] ol[b, h] (kv_b's value rows of head h) */
-            per_head[HM + h] = job(l->wkvb + (h * (Dn + Dv) + Dn) * R, Dv, R, ol + h * R, big, B, o + h * Dv, big);
+            per_head[HM + h] = wjob(d, l->wkvb, (h * (Dn + Dv) + Dn) * R, Dv, R, ol + h * R, big, B, o + h * Dv, big);
 #pragma omp barrier
     run_jobs(per_head + HM, (int)HM, t, nt);
 #pragma omp barrier
@@ -166,7 +166,7 @@ static void mla(const Dims *d, const Layer *l, Scratch *s, int64_t B, const int6
         o[b * big + j] *= sigmoid_poly(gate[b * big + j]);
     }
 #pragma omp barrier
-    Job jo = job(l->mo, D, HM * Dv, o, big, B, s->y, D);
+    Job jo = wjob(d, l->mo, 0, D, HM * Dv, o, big, B, s->y, D);
     run_jobs(&jo, 1, t, nt);
 }
 

@@ -28,7 +28,7 @@
 
 /* ---- the step ---------------------------------------------------------------------------------------- */
 typedef struct {
-    const float *embed, *norm, *out_res, *lm_head;
+    const float *embed, *norm, *out_res, *lm_head; /* embed and lm_head bf16 when Dims.bf16 */
 } Ends;
 
 /* logits [n_out, V] of rows out_rows [n_out] (ascending) for ids [B] at lengths [B] (cached tokens before
@@ -48,7 +48,14 @@ void k3_decode_step(const Dims *d, const Layer *layers, const Ends *ends, int64_
         if (b == 0 || slots[b] != slots[b - 1]) s.run_start[s.n_runs++] = b;
     s.run_start[s.n_runs] = B;
     const int64_t D = d->D, BD = B * D;
-    for (int64_t b = 0; b < B; b++) memcpy(s.buf + b * D, ends->embed + ids[b] * D, D * sizeof(float));
+    for (int64_t b = 0; b < B; b++) {
+        if (!d->bf16) {
+            memcpy(s.buf + b * D, ends->embed + ids[b] * D, D * sizeof(float));
+            continue;
+        }
+        const uint16_t *row = (const uint16_t *)ends->embed + ids[b] * D;
+        for (int64_t i = 0; i < D; i++) s.buf[b * D + i] = bf16_at(row, i);
+    }
     int64_t nb = 0; /* completed blocks: buf[0 .. nb-1]; the partial sum is buf[nb] */
 #pragma omp parallel num_threads(threads)
     {
@@ -97,7 +104,7 @@ void k3_decode_step(const Dims *d, const Layer *layers, const Ends *ends, int64_
             rms_norm(s.h + j * D, ends->norm, s.xn + j * D, D, d->rms_eps);
         }
 #pragma omp barrier
-        Job jh = job(ends->lm_head, d->V, D, s.xn, D, n_out, logits, d->V);
+        Job jh = wjob(d, ends->lm_head, 0, d->V, D, s.xn, D, n_out, logits, d->V);
         run_jobs(&jh, 1, t, nt);
         ftz_end(mode);
     }
@@ -126,7 +133,7 @@ static const LayoutEntry LAYOUT[] = {
     AT(Dims, Dn), AT(Dims, Dr), AT(Dims, Dv), AT(Dims, R), AT(Dims, Q), AT(Dims, E), AT(Dims, topk),
     AT(Dims, I), AT(Dims, Dl), AT(Dims, Is), AT(Dims, Id), AT(Dims, dense_layers), AT(Dims, block),
     AT(Dims, page_size), AT(Dims, pages), AT(Dims, safe_gate), AT(Dims, latent_norm), AT(Dims, renorm),
-    AT(Dims, pad), AT(Dims, rms_eps), AT(Dims, latent_eps), AT(Dims, res_eps), AT(Dims, l2_eps),
+    AT(Dims, bf16), AT(Dims, rms_eps), AT(Dims, latent_eps), AT(Dims, res_eps), AT(Dims, l2_eps),
     AT(Dims, lower_bound), AT(Dims, beta1), AT(Dims, beta2), AT(Dims, scaling), AT(Dims, mla_scale),
     AT(Dims, kda_scale),
     SIZE(Layer),

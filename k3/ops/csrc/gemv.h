@@ -63,126 +63,71 @@ static inline lanes16 hsum16x16(const lanes16 v[16]) {
     return __builtin_shuffle(c[0], c[1], even) + __builtin_shuffle(c[0], c[1], odd);
 }
 
-/* w . x: one 16-lane accumulation over i, hsum16, then the scalar tail (every product path sums a row
- * this way, so a result does not depend on the path). Prefetches GEMV_PREFETCH_BYTES past each cache
- * line of `w` it reads: at batch 1 the rows are read one after another, so this runs one stream ahead */
-static inline float dot(const float *restrict w, const float *restrict x, int64_t n) {
-    lanes16 acc = {0};
-    int64_t i = 0;
-    for (; i + 16 <= n; i += 16) {
-        __builtin_prefetch((const char *)(w + i) + GEMV_PREFETCH_BYTES);
-        acc += load16(w + i) * load16(x + i);
-    }
-    float s = hsum16(acc);
-    for (; i < n; i++) s += w[i] * x[i];
-    return s;
+#define GEMV_WIDE_MAX_I 1536 /* gemv_rows_wide: rows of at most this many inputs (eight of them in L1) */
+
+/* bf16 -> fp32 is exact: the 16 bits are the top half of the float's */
+typedef uint16_t v16h __attribute__((vector_size(32)));
+typedef uint32_t v16u __attribute__((vector_size(64)));
+static inline lanes16 load16_bf16(const uint16_t *p) {
+    v16h h;
+    memcpy(&h, p, sizeof h);
+    const v16u u = __builtin_convertvector(h, v16u) << 16;
+    lanes16 f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+static inline float bf16_at(const uint16_t *p, int64_t j) {
+    const uint32_t u = (uint32_t)p[j] << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
 }
 
-/* rows o0..o1 of Y = W X^T: W [O, I] (row stride I), X [B, ldx], Y [B, ldy] */
-static void gemv_rows(const float *restrict W, int64_t I, const float *restrict X, int64_t ldx, int64_t B,
-                      float *restrict Y, int64_t ldy, int64_t o0, int64_t o1) {
-    int64_t o = o0;
-    if (B == 1) { /* one row after another: a single sequential stream per thread */
-        for (; o < o1; o++) Y[o] = dot(W + o * I, X, I);
-        return;
-    }
-    /* four weight rows x four inputs per pass: 16 accumulators, 8 loads per 16 FMAs (one row at a time
-     * would need 5 loads per 4), reduced together (hsum16x16); the last 1-3 inputs run the same block
-     * with the block's first input standing in for the missing ones (their sums are dropped). Each
-     * output is still one 16-lane accumulation over i, hsum16, then the scalar tail, exactly as in the
-     * other paths, so a row's result does not depend on B */
-    const int64_t passes = (B + 3) / 4; /* over the block's rows, one per four inputs */
-    for (; o + 4 <= o1 && B >= 2; o += 4) {
-        const float *ws[4] = {W + o * I, W + (o + 1) * I, W + (o + 2) * I, W + (o + 3) * I};
-        for (int64_t b = 0; b < B; b += 4) {
-            const int64_t nb = B - b < 4 ? B - b : 4, pass = b / 4;
-            const float *xs[4];
-            for (int c = 0; c < 4; c++) xs[c] = X + (b + (c < nb ? c : 0)) * ldx;
-            lanes16 acc[16] = {{0}};
-            int64_t i = 0;
-            for (; i + 16 <= I; i += 16) {
-                /* the prefetches of the rows ahead are spread over the passes (pass p takes rows p, p +
-                 * passes, ...; from the fifth pass on none): all four rows in the first pass would
-                 * outnumber the core's line fill buffers and stall its loads while the later passes,
-                 * which find the block in L1, issue none (k3-small, 1,024 x 1,024 at 16 inputs on two
-                 * threads: 194 -> 223 GFLOP/s) */
-                for (int64_t r = pass; r < 4; r += passes) __builtin_prefetch(ws[r] + GEMV_PREFETCH_ROWS * I + i);
-                const lanes16 wv[4] = {load16(ws[0] + i), load16(ws[1] + i), load16(ws[2] + i), load16(ws[3] + i)};
-                const lanes16 xv[4] = {load16(xs[0] + i), load16(xs[1] + i), load16(xs[2] + i), load16(xs[3] + i)};
-                for (int r = 0; r < 4; r++)
-                    for (int c = 0; c < 4; c++) acc[4 * r + c] += wv[r] * xv[c];
-            }
-            const lanes16 sums = hsum16x16(acc);
-            for (int r = 0; r < 4; r++)
-                for (int c = 0; c < nb; c++) {
-                    float sum = sums[4 * r + c];
-                    for (int64_t j = i; j < I; j++) sum += ws[r][j] * xs[c][j];
-                    Y[(b + c) * ldy + o + r] = sum;
-                }
-        }
-    }
-    for (; o < o1; o++) {
-        const float *w = W + o * I;
-        int64_t b = 0;
-        for (; b + 4 <= B; b += 4) {
-            const float *x0 = X + b * ldx, *x1 = x0 + ldx, *x2 = x1 + ldx, *x3 = x2 + ldx;
-            lanes16 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
-            int64_t i = 0;
-            for (; i + 16 <= I; i += 16) {
-                const lanes16 wv = load16(w + i);
-                a0 += wv * load16(x0 + i);
-                a1 += wv * load16(x1 + i);
-                a2 += wv * load16(x2 + i);
-                a3 += wv * load16(x3 + i);
-            }
-            float s0 = hsum16(a0), s1 = hsum16(a1), s2 = hsum16(a2), s3 = hsum16(a3);
-            for (; i < I; i++) {
-                s0 += w[i] * x0[i];
-                s1 += w[i] * x1[i];
-                s2 += w[i] * x2[i];
-                s3 += w[i] * x3[i];
-            }
-            Y[b * ldy + o] = s0, Y[(b + 1) * ldy + o] = s1, Y[(b + 2) * ldy + o] = s2, Y[(b + 3) * ldy + o] = s3;
-        }
-        for (; b < B; b++) Y[b * ldy + o] = dot(w, X + b * ldx, I);
-    }
-}
+/* fp32 weights: dot, gemv_rows, gemv_rows_wide */
+#define WT float
+#define LOADW(p) load16(p)
+#define WAT(p, j) ((p)[j])
+#define NAME(f) f
+#include "gemv_products.h"
+#undef WT
+#undef LOADW
+#undef WAT
+#undef NAME
 
-/* rows o0..o1 of Y = W X^T as `gemv_rows`, for many inputs (a prompt chunk) with rows of at most
- * GEMV_WIDE_MAX_I floats: eight weight rows (32 KB at 1,024 inputs, kept in L1) x two inputs per pass, so
- * each input vector loaded from L2 serves eight products rather than four (k3-small's 1,024 x 1,024 and
- * 512 x 1,024 products on two threads: 250-258 -> 256-277 GFLOP/s). Every output is still one 16-lane
- * accumulation over i, hsum16, then the scalar tail: the same bits as `gemv_rows` gives it */
-#define GEMV_WIDE_MAX_I 1536
-static void gemv_rows_wide(const float *restrict W, int64_t I, const float *restrict X, int64_t ldx, int64_t B,
-                           float *restrict Y, int64_t ldy, int64_t o0, int64_t o1) {
-    int64_t o = o0;
-    for (; o + 8 <= o1; o += 8) {
-        const float *ws[8];
-        for (int r = 0; r < 8; r++) ws[r] = W + (o + r) * I;
-        for (int64_t b = 0; b < B; b += 2) {
-            const int64_t nb = B - b < 2 ? B - b : 2; /* a last single input stands in for its pair */
-            const float *xs[2] = {X + b * ldx, X + (b + nb - 1) * ldx};
-            lanes16 acc[16] = {{0}};
+/* bf16 weights: dot_bf16, gemv_rows_bf16, gemv_rows_wide_bf16 */
+#define WT uint16_t
+#define LOADW(p) load16_bf16(p)
+#define WAT(p, j) bf16_at(p, j)
+#define NAME(f) f##_bf16
+#include "gemv_products.h"
+#undef WT
+#undef LOADW
+#undef WAT
+#undef NAME
+
+/* rows o0..o1 of Y = W X^T for a bf16 W and many inputs: eight rows at a time widened into an fp32 block
+ * (48 KB at most, on the stack) that `gemv_rows_wide` then runs over every input, so each weight is
+ * converted once per call rather than once per pair of inputs (the conversions share the ports of the
+ * multiply-adds: k3-small's prompt rows 222 -> ~400 tok/s). The same bits as gemv_rows_bf16 */
+static void gemv_rows_wide_bf16_staged(const uint16_t *restrict W, int64_t I, const float *restrict X,
+                                       int64_t ldx, int64_t B, float *restrict Y, int64_t ldy, int64_t o0,
+                                       int64_t o1) {
+    float block[8 * GEMV_WIDE_MAX_I];
+    for (int64_t o = o0; o < o1; o += 8) {
+        const int64_t n = o1 - o < 8 ? o1 - o : 8;
+        for (int64_t r = 0; r < n; r++) {
             int64_t i = 0;
             for (; i + 16 <= I; i += 16) {
-                const lanes16 x0 = load16(xs[0] + i), x1 = load16(xs[1] + i);
-                for (int r = 0; r < 8; r++) {
-                    const lanes16 w = load16(ws[r] + i);
-                    acc[2 * r] += w * x0;
-                    acc[2 * r + 1] += w * x1;
-                }
+                const lanes16 v = load16_bf16(W + (o + r) * I + i);
+                memcpy(block + r * I + i, &v, sizeof v);
             }
-            const lanes16 sums = hsum16x16(acc);
-            for (int r = 0; r < 8; r++)
-                for (int c = 0; c < nb; c++) {
-                    float sum = sums[2 * r + c];
-                    for (int64_t j = i; j < I; j++) sum += ws[r][j] * xs[c][j];
-                    Y[(b + c) * ldy + o + r] = sum;
-                }
+            for (; i < I; i++) block[r * I + i] = bf16_at(W + (o + r) * I, i);
         }
+        if (n == 8)
+            gemv_rows_wide(block, I, X, ldx, B, Y + o, ldy, 0, 8);
+        else
+            gemv_rows(block, I, X, ldx, B, Y + o, ldy, 0, n);
     }
-    if (o < o1) gemv_rows(W, I, X, ldx, B, Y, ldy, o, o1); /* the last 1-7 rows */
 }
 
 /* ---- MXFP4 weights (OCP MX: E2M1 codes, one E8M0 scale per 32 inputs; the compressed-tensors layout:
