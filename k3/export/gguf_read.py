@@ -16,8 +16,9 @@ converter and quantizer write):
 * tensors (`k3.quant.ggml`): F32, F16, BF16, Q8_0, Q4_0 and MXFP4, mapped back to our state_dict by
   `k3.export.gguf_layout.state_from_gguf`. Routed experts stored as MXFP4 stay packed (k3's
   PackedRoutedExperts, 4.25 bits per weight, the layout `k3 quantize` checkpoints load into) unless
-  `packed_experts=False`; every other tensor is decoded to `dtype` (default float32). Any other GGML
-  type is refused with a ValueError naming the type and the tensors stored in it.
+  `packed_experts=False`; every other tensor is decoded to `dtype` (default: bfloat16 for a file whose
+  matrices are all exact in it, a BF16 file, else float32). Any other GGML type is refused with a
+  ValueError naming the type and the tensors stored in it.
 """
 
 from __future__ import annotations
@@ -293,18 +294,20 @@ def _torch_shape(t) -> tuple[int, ...]:
 def load_gguf(
     path: str | Path,
     *,
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype | None = None,
     packed_experts: bool = True,
     device: str | torch.device = "cpu",
 ) -> GGUFCheckpoint:
     """Load a kimi-k3 GGUF (see the module doc). dtype: what every decoded tensor becomes, except those the
-    release keeps in F32 (convs, A_log, dt_bias, o_norm, router bias); packed_experts: keep MXFP4 routed
-    experts packed. Raises ValueError for another architecture, unreadable tensor types, or tensors
-    that do not form a K3 model of the file's metadata."""
+    release keeps in F32 (convs, A_log, dt_bias, o_norm, router bias); None (default): bfloat16 when every
+    matrix among them holds bf16 values exactly (a BF16 file: kept at its size, no f32 copy; its vectors
+    stay F32 where they are not exact in bf16), else float32;
+    packed_experts: keep MXFP4 routed experts packed. Raises ValueError for another architecture,
+    unreadable tensor types, or tensors that do not form a K3 model of the file's metadata."""
     from k3.export.gguf_layout import state_from_gguf
     from k3.quant.ggml import decode, mxfp4_to_packed
 
-    if dtype not in _DTYPES:
+    if dtype is not None and dtype not in _DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(map(str, _DTYPES))}, got {dtype}")
     reader = _reader(path)
     types = tensor_types(reader)
@@ -331,8 +334,13 @@ def load_gguf(
             tensors[t.name] = decode(_raw(t), types[t.name], shape)
     state = state_from_gguf(tensors, config)
     del tensors
+    auto = dtype is None
+    if auto:
+        dtype = torch.bfloat16 if _matrices_exact_in_bf16(state) else torch.float32
     for name, t in state.items():
         if t.is_floating_point() and not is_f32_tensor(name):
+            if auto and _kept_f32(name, t):  # a BF16 file's F32 norms and router stay F32
+                continue
             state[name] = t.to(dtype)
     state = {n: t.to(device) for n, t in state.items()}
     if packed_layers:
@@ -342,6 +350,27 @@ def load_gguf(
     config = config.replace(dtype=_DTYPES[dtype])
     model = _build(config, state, packed_layers, path)
     return GGUFCheckpoint(model.eval(), config, tokenizer, template, types, packed_layers)
+
+
+def _exact_in_bf16(t: torch.Tensor) -> bool:
+    return t.dtype == torch.bfloat16 or torch.equal(t.to(torch.bfloat16).to(t.dtype), t)
+
+
+def _kept_f32(name: str, t: torch.Tensor) -> bool:
+    """A vector (one row: norm gains, AttnRes queries) or the router's matrix, which a BF16 file stores
+    F32 (as llama.cpp's writers do), where its values are not exact in bf16: kept F32 in a bf16 model."""
+    vector = t.numel() == t.shape[-1] if t.ndim else True
+    return (vector or name.endswith("block_sparse_moe.gate.weight")) and not _exact_in_bf16(t)
+
+
+def _matrices_exact_in_bf16(state: dict[str, torch.Tensor]) -> bool:
+    """Whether every floating tensor the model stores in its dtype holds bf16 values exactly, but for
+    those a BF16 file keeps F32 (`_kept_f32`)."""
+    return all(
+        _exact_in_bf16(t) or _kept_f32(name, t)
+        for name, t in state.items()
+        if t.is_floating_point() and not is_f32_tensor(name)
+    )
 
 
 def _packed_layers(types: dict[str, str], config: K3Config) -> list[int]:

@@ -263,7 +263,7 @@ class Engine:
     ) -> Engine:
         """Model (k3.checkpoint) + tokenizer (K3Tokenizer files in the same directory, if any), or a
         kimi-k3 GGUF file's model and tokenizer (k3.export.gguf_read: MXFP4 routed experts stay packed,
-        other tensors are decoded to float32)."""
+        other tensors are decoded to bfloat16 for a BF16 file, else to float32)."""
         from pathlib import Path
 
         from k3.checkpoint.io import load_checkpoint

@@ -173,7 +173,10 @@ def test_export_reads_back_config_tokenizer_template_and_logits(source, tokenize
     assert is_gguf(files[outtype])
     ck = load_gguf(files[outtype])
     assert read_gguf_config(files[outtype]).replace(quantization_config=None) == config
-    assert ck.config.replace(quantization_config=None) == config
+    assert ck.config.replace(quantization_config=None, dtype=config.dtype) == config
+    # a BF16 file loads as a bf16 model (exact: no f32 copy); every other outtype as float32
+    assert ck.config.dtype == ("bfloat16" if outtype == "bf16" else "float32")
+    assert ck.model.lm_head.weight.dtype == getattr(torch, ck.config.dtype)
     ours = K3Tokenizer.from_dir(tokenizer_dir)
     assert ck.tokenizer.encode(SAMPLE) == ours.encode(SAMPLE)
     assert ck.tokenizer.encode(SAMPLE, allow_special=True) == ours.encode(SAMPLE, allow_special=True)
@@ -181,7 +184,7 @@ def test_export_reads_back_config_tokenizer_template_and_logits(source, tokenize
     assert ck.tokenizer.eos_id == ours.eos_id and ck.tokenizer.reserved == ours.reserved
     assert ck.chat_template == chat_template(tokenizer_dir) and ck.chat_template
     ref = model if outtype == "f32" else _rounded_twin(model, config, outtype)
-    dense = load_gguf(files[outtype], packed_experts=False).model  # packed experts: the next test
+    dense = load_gguf(files[outtype], packed_experts=False, dtype=torch.float32).model  # packed: next test
     with torch.no_grad():
         got, want = dense(_ids()).logits, ref(_ids()).logits
     assert torch.equal(got, want)
@@ -347,3 +350,17 @@ def test_a_bf16_file_loads_in_bf16_without_rounding(source):
             assert torch.equal(t.float(), f32[name]), name
     with pytest.raises(ValueError, match="dtype must be one of"):
         load_gguf(files["bf16"], dtype=torch.int8)
+
+
+def test_a_bf16_file_runs_in_the_native_step_with_the_bits_of_its_f32_decoding(source):
+    """A BF16 GGUF loads as a bf16 model (its F32 vectors and router kept F32) that the engine runs in
+    the C step, every row: tokens and logprobs equal the same file decoded to f32, bit for bit."""
+    _, _, files = source
+    cfg = dict(page_size=16, prefix_unit=16, num_pages=24, max_model_len=256, max_num_seqs=2)
+    bf16 = Engine.from_checkpoint(str(files["bf16"]), EngineConfig(**cfg))
+    assert bf16.model.lm_head.weight.dtype == torch.bfloat16 and bf16.runner.exact
+    f32 = Engine(load_gguf(files["bf16"], dtype=torch.float32).model, EngineConfig(**cfg, deterministic=True))
+    params = SamplingParams(max_tokens=8, logprobs=3, ignore_eos=True)
+    prompts = [_ids()[0].tolist(), _ids()[1].tolist()[:9]]
+    got = [(s.output, s.logprobs) for s in bf16.generate(prompts, params)]
+    assert got == [(s.output, s.logprobs) for s in f32.generate(prompts, params)]
