@@ -2,7 +2,7 @@
 
     w = prepare("k3-tiny", workdir)            # a preset, seeded random init (or a checkpoint folder)
     w.k3["f32"], w.k3["mxfp4"]                 # k3 checkpoint folders (config, safetensors, tokenizer)
-    w.gguf["f32"], w.gguf["q8_0"], w.gguf["mxfp4"]   # GGUFs of the same weights for llama.cpp's kimi-k3
+    w.gguf["f32"], w.gguf["bf16"], w.gguf["q8_0"], w.gguf["mxfp4"], w.gguf["mxfp4_moe"]   # the same weights
 
 Formats. k3: `f32` (save_checkpoint) and `mxfp4`, the routed experts MXFP4-packed by
 `k3.quant.checkpoint.save_mxfp4_checkpoint` with every other tensor kept F32 (what `k3 quantize IN OUT
@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 K3_FORMATS = ("f32", "mxfp4")
-GGUF_FORMATS = ("f32", "q8_0", "mxfp4")
+GGUF_FORMATS = ("f32", "bf16", "q8_0", "mxfp4", "mxfp4_moe")
 # the code whose output lands in the files: a change to any of it invalidates the cached copies
 _WRITER_FILES = (
     "export/gguf.py",
@@ -108,6 +108,12 @@ def prepare(name: str, workdir: Path, seed: int = 0, log=print) -> Weights:
     w.k3 = {f: root / f"k3-{f}" for f in K3_FORMATS}
     w.gguf = {f: root / f"{f}.gguf" for f in GGUF_FORMATS}
     if (root / "READY").exists():
+        state = None
+        for f, path in w.gguf.items():  # a format added since the files were written
+            if not path.exists():
+                state = model.state_dict() if state is None else state
+                log(f"{name}: writing {path.name}")
+                write_gguf(state, config, tok_dir, path, f)
         return w
     root.mkdir(parents=True, exist_ok=True)
     log(f"{name}: writing the k3 checkpoints and the GGUFs to {root}")

@@ -9,6 +9,11 @@ perplexities are then those of an untrained model, compared between formats), or
 once as k3 checkpoints (f32; mxfp4 = routed experts MXFP4-packed, the rest f32) and as GGUFs (f32, q8_0,
 mxfp4) of the same tensors (bench/same_weights.py).
 
+Same file: at the format thread counts k3 also loads each GGUF llama.cpp runs (`gguf:bf16`, `gguf:q8_0`,
+`gguf:mxfp4`, `gguf:mxfp4_moe`; k3.export.gguf_read: BF16 stays bf16, MXFP4 experts stay packed, Q8_0
+is widened to f32), and each such row compares the two engines on the very same file (--no-same-file
+skips them).
+
 llama.cpp (bench/peers/llamacpp.sh builds it) is run through its own C++ tools, no Python in its loop:
 `llama-bench -p 512,4096 -n 0` (prefill: the prompt fed in batches, no sampling) and `llama-bench -p 0
 -n 256 -d 512` (decode: 256 one-token steps after a 512-token context, whose prefill is not timed), one
@@ -171,16 +176,26 @@ def add(res: dict, keys: tuple, value: float) -> None:
     res.setdefault(keys, []).append(value)
 
 
+def same_file_formats(a) -> list[str]:
+    """k3's runs of llama.cpp's own files (`gguf:T`, T a GGUF outtype), unless --no-same-file."""
+    return [] if a.no_same_file else [f"gguf:{t}" for t in ("bf16", "q8_0", "mxfp4", "mxfp4_moe")]
+
+
 def prefill_lengths(fmt: str, threads: int, a) -> list[int]:
     """Every --prefill length for f32 at the --long-threads counts; else the first (shortest) alone,
     which keeps a full run within minutes: the long prompts cost the most and the goal is set at f32."""
     return a.prefill_list if fmt == "f32" and threads in a.long_threads_list else a.prefill_list[:1]
 
 
+def k3_path(w, fmt: str):
+    """What k3 loads for a format: its own checkpoint folder, or (`gguf:T`) the very GGUF llama.cpp runs."""
+    return w.gguf[fmt[5:]] if fmt.startswith("gguf:") else w.k3[fmt]
+
+
 def time_engines(w, threads: int, formats: tuple[list, list], peer, a, res: dict) -> dict:
     """Prefill and decode, k3 and llama.cpp alternated, `a.reps` rounds; samples into res."""
     k3_formats, llama_formats = formats
-    plan = {f: (w.k3[f], prefill_lengths(f, threads, a)) for f in k3_formats}
+    plan = {f: (k3_path(w, f), prefill_lengths(f, threads, a)) for f in k3_formats}
     worker = Worker(plan, threads, a, a.workdir / "logs" / f"worker-{threads}t.log")
     try:
         log(f"  k3 engines ready: {worker.ready['ready']}")
@@ -313,15 +328,17 @@ def perplexities(w, peer, a) -> dict[str, dict[str, float]]:
     import torch
 
     from k3.checkpoint import load_checkpoint
+    from k3.export.gguf_read import load_gguf
     from k3.quant.checkpoint import load_mxfp4_checkpoint
 
     torch.set_num_threads(max(a.threads_list))
     out = {"k3": {}, "llama.cpp": {}}
-    for fmt in K3_FORMATS:
-        model = (
-            load_checkpoint(w.k3[fmt])[0] if fmt == "f32" else load_mxfp4_checkpoint(w.k3[fmt])[0]
-        ).eval()
-        out["k3"][fmt] = k3_perplexity(model, w.heldout, a.ppl_ctx, a.ppl_positions)
+    for fmt in [*K3_FORMATS, *same_file_formats(a)]:
+        if fmt.startswith("gguf:"):
+            model = load_gguf(k3_path(w, fmt)).model
+        else:
+            model = load_checkpoint(w.k3[fmt])[0] if fmt == "f32" else load_mxfp4_checkpoint(w.k3[fmt])[0]
+        out["k3"][fmt] = k3_perplexity(model.eval(), w.heldout, a.ppl_ctx, a.ppl_positions)
         del model
     for fmt, path in w.gguf.items():
         out["llama.cpp"][fmt] = llama_perplexity(
@@ -379,6 +396,7 @@ def figures_for(name: str, res: dict, a, ppl: dict, roof: dict, bw: dict) -> lis
 
     rows = []
     pairs = [("f32", "f32")] + [("mxfp4", f) for f in ("q8_0", "mxfp4")]
+    pairs += [(f, f[5:]) for f in same_file_formats(a)]  # both engines on the very same GGUF
     metrics = sorted({k[3] for k in res}, key=lambda m: (not m.startswith("prefill"), m != "decode", m))
     for threads in a.threads_list:
         for k3f, lf in pairs:
@@ -559,6 +577,9 @@ def parse_args(argv):
         help="k3 serve --compile (the fused prefill activations and the batch-1 decode step)",
     )
     p.add_argument("--no-serve", action="store_true", help="skip the serving figures")
+    p.add_argument(
+        "--no-same-file", action="store_true", help="skip k3's runs of the GGUF files themselves (gguf:T)"
+    )
     p.add_argument("--ppl-positions", type=int, default=1024, help="held-out tokens scored per format")
     p.add_argument("--ppl-ctx", type=int, default=512, help="tokens per perplexity window")
     p.add_argument("--bandwidth-gib", type=float, default=2.0, help="buffer of the read-bandwidth kernel")
@@ -598,7 +619,11 @@ def run_one(name: str, peer, a, bw: dict) -> tuple[list[dict], dict, dict, bool]
     res: dict = {}
     info, errors = {}, []
     for threads in a.threads_list:
-        formats = ([*K3_FORMATS], list(w.gguf)) if threads in a.format_threads_list else (["f32"], ["f32"])
+        formats = (
+            ([*K3_FORMATS, *same_file_formats(a)], list(w.gguf))
+            if threads in a.format_threads_list
+            else (["f32"], ["f32"])
+        )
         log(f"{name}, {threads} thread(s): prefill / decode, formats k3 {formats[0]} llama.cpp {formats[1]}")
         ready = info[f"engine_{threads}t"] = time_engines(w, threads, formats, peer, a, res)
         errors += [f"{threads}t k3 {f}: {r['error']}" for f, r in ready.items() if "error" in r]

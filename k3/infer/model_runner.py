@@ -27,6 +27,7 @@ from k3.infer.sequence import Sequence
 from k3.model.state import KDAState
 from k3.model.transformer import K3ForCausalLM
 from k3.ops.glu import fused_activations
+from k3.quant.packed import PackedRoutedExperts
 
 KDA_FIELDS = ("conv_q", "conv_k", "conv_v", "recurrent")
 
@@ -65,7 +66,10 @@ class ModelRunner:
         if self.bf16_native and self.decode.native is None:
             why = self.decode.why_not_native
             raise RuntimeError(f"the native step did not build for a bf16 model: {why}")
-        self.exact = config.deterministic or self.bf16_native  # every row through the native step
+        # every row through the native step: asked for, or where it beats the torch prefill (bf16 weights,
+        # MXFP4 experts, which torch widens per call)
+        packed = any(isinstance(m, PackedRoutedExperts) for m in model.modules())
+        self.exact = config.deterministic or self.bf16_native or (packed and self.decode.native is not None)
         self.snapshot_nbytes = sum(
             t[0].numel() * t.element_size() for d in self.kda.values() for t in d.values()
         )

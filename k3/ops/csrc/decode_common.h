@@ -79,8 +79,13 @@ static void run_jobs(const Job *jobs, int n, int t, int nt) {
             const int64_t chunk = q->B > 64 ? input_block(q->cols) : q->B; /* decode: one pass */
             for (int64_t b0 = 0; r0 < r1 && b0 < q->B; b0 += chunk) {
                 const int64_t nb = q->B - b0 < chunk ? q->B - b0 : chunk;
-                const int wide = q->B > 64 && q->cols <= GEMV_WIDE_MAX_I;
-                if (q->mxq)
+                /* fp32 rows take the eight-row tile past a decode batch; bf16 and MXFP4 rows are widened
+                 * into an fp32 block first once 16 inputs share it (a prompt chunk's expert) */
+                const int wide = q->cols <= GEMV_WIDE_MAX_I && q->B > (q->w ? 64 : 15);
+                if (q->mxq && wide)
+                    gemv_rows_mx_wide(q->mxq, q->mxs, q->cols, q->x + b0 * q->cols, nb, q->y + b0 * q->ldy,
+                                      q->ldy, r0, r1);
+                else if (q->mxq)
                     gemv_rows_mx(q->mxq, q->mxs, q->cols, q->x + b0 * q->cols, nb, q->y + b0 * q->ldy, q->ldy,
                                  r0, r1);
                 else if (q->wb && wide)

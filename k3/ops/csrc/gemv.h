@@ -176,15 +176,48 @@ static void gemv_rows_mx(const uint8_t *restrict packed, const uint8_t *restrict
                 v16b raw;
                 memcpy(&raw, q + 16 * k, sizeof raw);
                 const v16i codes = __builtin_convertvector(raw, v16i);
-                const lanes16 lo = __builtin_shuffle(MX_E2M1, codes & 15), hi = __builtin_shuffle(MX_E2M1, codes >> 4);
-                const float s = e8m0(sc[k]);
+                const float s = e8m0(sc[k]); /* a power of two: the scaled values are exact (or flushed) */
+                const lanes16 lo = __builtin_shuffle(MX_E2M1, codes & 15) * s;
+                const lanes16 hi = __builtin_shuffle(MX_E2M1, codes >> 4) * s;
                 for (int64_t r = 0; r < nbat; r++) {
                     const float *x = Xs + (b0 + r) * I + 32 * k;
-                    acc[r] += (lo * load16(x) + hi * load16(x + 16)) * s;
+                    acc[r] += lo * load16(x); /* the order of gemv_rows over [lo, hi] and the split input */
+                    acc[r] += hi * load16(x + 16);
                 }
             }
             for (int64_t r = 0; r < nbat; r++) Y[(b0 + r) * ldy + o] = hsum16(acc[r]);
         }
+    }
+}
+
+/* rows o0..o1 of Y = W X^T for an MXFP4 W and many inputs: eight rows at a time decoded (and scaled,
+ * exactly) into an fp32 block laid out as the split input is, [lo 16, hi 16] per 32-block, that
+ * `gemv_rows_wide` runs over every input: the sums of gemv_rows_mx, in its order, with each weight
+ * decoded once per call rather than once per four inputs */
+static void gemv_rows_mx_wide(const uint8_t *restrict packed, const uint8_t *restrict scales, int64_t I,
+                              const float *restrict Xs, int64_t B, float *restrict Y, int64_t ldy, int64_t o0,
+                              int64_t o1) {
+    float block[8 * GEMV_WIDE_MAX_I];
+    const int64_t nb = I / 32;
+    for (int64_t o = o0; o < o1; o += 8) {
+        const int64_t n = o1 - o < 8 ? o1 - o : 8;
+        for (int64_t r = 0; r < n; r++) {
+            const uint8_t *q = packed + (o + r) * (I / 2), *sc = scales + (o + r) * nb;
+            for (int64_t k = 0; k < nb; k++) {
+                v16b raw;
+                memcpy(&raw, q + 16 * k, sizeof raw);
+                const v16i codes = __builtin_convertvector(raw, v16i);
+                const float s = e8m0(sc[k]);
+                const lanes16 lo = __builtin_shuffle(MX_E2M1, codes & 15) * s;
+                const lanes16 hi = __builtin_shuffle(MX_E2M1, codes >> 4) * s;
+                memcpy(block + r * I + 32 * k, &lo, sizeof lo);
+                memcpy(block + r * I + 32 * k + 16, &hi, sizeof hi);
+            }
+        }
+        if (n == 8)
+            gemv_rows_wide(block, I, Xs, I, B, Y + o, ldy, 0, 8);
+        else
+            gemv_rows(block, I, Xs, I, B, Y + o, ldy, 0, n);
     }
 }
 
