@@ -16,7 +16,8 @@ converter and quantizer write):
 * tensors (`k3.quant.ggml`): F32, F16, BF16, Q8_0, Q4_0 and MXFP4, mapped back to our state_dict by
   `k3.export.gguf_layout.state_from_gguf`. Routed experts stored as MXFP4 stay packed (k3's
   PackedRoutedExperts, 4.25 bits per weight, the layout `k3 quantize` checkpoints load into) unless
-  `packed_experts=False`; every other tensor is decoded to `dtype` (default: bfloat16 for a file whose
+  `packed_experts=False`; Q8_0 linear layers stay as their blocks (k3.quant.q8.Q8Linear) unless
+  `keep_q8=False`; every other tensor is decoded to `dtype` (default: bfloat16 for a file whose
   matrices are all exact in it, a BF16 file, else float32). Any other GGML type is refused with a
   ValueError naming the type and the tensors stored in it.
 """
@@ -296,16 +297,18 @@ def load_gguf(
     *,
     dtype: torch.dtype | None = None,
     packed_experts: bool = True,
+    keep_q8: bool = True,
     device: str | torch.device = "cpu",
 ) -> GGUFCheckpoint:
     """Load a kimi-k3 GGUF (see the module doc). dtype: what every decoded tensor becomes, except those the
     release keeps in F32 (convs, A_log, dt_bias, o_norm, router bias); None (default): bfloat16 when every
     matrix among them holds bf16 values exactly (a BF16 file: kept at its size, no f32 copy; its vectors
     stay F32 where they are not exact in bf16), else float32;
-    packed_experts: keep MXFP4 routed experts packed. Raises ValueError for another architecture,
+    packed_experts: keep MXFP4 routed experts packed; keep_q8: hold Q8_0 linear layers as their blocks
+    (k3.quant.q8.Q8Linear, a quarter of the f32 bytes). Raises ValueError for another architecture,
     unreadable tensor types, or tensors that do not form a K3 model of the file's metadata."""
     from k3.export.gguf_layout import state_from_gguf
-    from k3.quant.ggml import decode, mxfp4_to_packed
+    from k3.quant.ggml import decode, mxfp4_to_packed, q8_0_blocks
 
     if dtype is not None and dtype not in _DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(map(str, _DTYPES))}, got {dtype}")
@@ -323,6 +326,7 @@ def load_gguf(
     packed_layers = _packed_layers(types, config) if packed_experts else []
     packed_names = {f"blk.{i}.{w}" for i in packed_layers for w in _ROUTED}
     tensors: dict[str, torch.Tensor] = {}
+    q8: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id of a decoded Q8_0 matrix -> its blocks
     for t in reader.tensors:
         if config.tie_word_embeddings and t.name == "output.weight":
             continue
@@ -332,8 +336,11 @@ def load_gguf(
             tensors[f"{t.name}:weight_packed"], tensors[f"{t.name}:weight_scale"] = codes, scales
         else:
             tensors[t.name] = decode(_raw(t), types[t.name], shape)
+            if keep_q8 and types[t.name] == "Q8_0" and len(shape) == 2:
+                q8[id(tensors[t.name])] = q8_0_blocks(_raw(t), shape)
     state = state_from_gguf(tensors, config)
     del tensors
+    q8_names = {name: q8[id(t)] for name, t in state.items() if id(t) in q8}  # mapped one to one
     auto = dtype is None
     if auto:
         dtype = torch.bfloat16 if _matrices_exact_in_bf16(state) else torch.float32
@@ -349,7 +356,21 @@ def load_gguf(
         config = with_mxfp4_config(config)
     config = config.replace(dtype=_DTYPES[dtype])
     model = _build(config, state, packed_layers, path)
+    _hold_q8(model, q8_names, device)
     return GGUFCheckpoint(model.eval(), config, tokenizer, template, types, packed_layers)
+
+
+def _hold_q8(model: torch.nn.Module, blocks: dict[str, tuple], device) -> None:
+    """Swap each linear layer whose weight came from a Q8_0 tensor for a Q8Linear of those blocks."""
+    from k3.quant.q8 import Q8Linear
+
+    for name, (codes, scales) in blocks.items():
+        module_name, _, leaf = name.rpartition(".")
+        module = model.get_submodule(module_name)
+        if leaf != "weight" or not isinstance(module, torch.nn.Linear):
+            continue  # an embedding, or a tensor the layout joins (kv_b): widened
+        parent, _, attr = module_name.rpartition(".")
+        setattr(model.get_submodule(parent), attr, Q8Linear(codes.to(device), scales.to(device)))
 
 
 def _exact_in_bf16(t: torch.Tensor) -> bool:

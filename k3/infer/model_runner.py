@@ -21,6 +21,7 @@ from k3.infer.cache.paged_mla import PagedBatch, PagedMLAState
 from k3.infer.config import EngineConfig
 from k3.infer.decode.backend import DecodeStep
 from k3.infer.decode.native_step import unsupported as native_unsupported
+from k3.infer.decode.native_step import weight_dtype
 from k3.infer.media import embed_with_media
 from k3.infer.scheduler import StepPlan
 from k3.infer.sequence import Sequence
@@ -38,11 +39,11 @@ class ModelRunner:
         mc = model.config
         p = next(model.parameters())
         self.device, self.dtype = p.device, model.model.embed_tokens.weight.dtype
-        # a bf16 model the native step runs keeps its caches fp32 and runs every row natively (its torch
-        # paths would read fp32 caches into bf16 maths)
-        self.bf16_native = (config.native and self.dtype == torch.bfloat16 and type(model) is K3ForCausalLM
-                            and native_unsupported(self) is None)  # fmt: skip
-        if self.bf16_native:
+        # a model with bf16 or Q8_0 weights that the native step runs keeps its caches fp32 and runs every
+        # row natively (its torch paths would compute in bf16, or widen the 8-bit matrices per call)
+        self.typed_native = (config.native and weight_dtype(model) == "typed" and type(model) is K3ForCausalLM
+                             and native_unsupported(self) is None)  # fmt: skip
+        if self.typed_native:
             self.dtype = torch.float32
         la, n_slots = mc.linear_attn_config, config.max_num_seqs
         C, W = la.num_heads * la.head_dim, la.short_conv_kernel_size
@@ -63,13 +64,13 @@ class ModelRunner:
                 "deterministic serving runs every row through the native C step, which does not run this "
                 f"model: {self.decode.why_not_native}"
             )
-        if self.bf16_native and self.decode.native is None:
+        if self.typed_native and self.decode.native is None:
             why = self.decode.why_not_native
-            raise RuntimeError(f"the native step did not build for a bf16 model: {why}")
+            raise RuntimeError(f"the native step did not build for a bf16 / Q8_0 model: {why}")
         # every row through the native step: asked for, or where it beats the torch prefill (bf16 weights,
         # MXFP4 experts, which torch widens per call)
         packed = any(isinstance(m, PackedRoutedExperts) for m in model.modules())
-        self.exact = config.deterministic or self.bf16_native or (packed and self.decode.native is not None)
+        self.exact = config.deterministic or self.typed_native or (packed and self.decode.native is not None)
         self.snapshot_nbytes = sum(
             t[0].numel() * t.element_size() for d in self.kda.values() for t in d.values()
         )

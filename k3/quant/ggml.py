@@ -95,6 +95,16 @@ def decode(raw: torch.Tensor, type_name: str, shape: tuple[int, ...]) -> torch.T
     return dequantize_mx(packed, scales, "mxfp4", torch.float32)
 
 
+def q8_0_blocks(raw: torch.Tensor, shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q8_0 blocks of a [..., n] tensor -> (codes int8 [..., n], scales fp32 [..., n/32]), undecoded: the
+    layout of k3.quant.q8.Q8Linear (value = code * scale, exact in fp32)."""
+    shape = tuple(int(s) for s in shape)
+    b = _blocks(raw, "Q8_0", shape)
+    d = _fp16(b[..., :2])
+    q = b[..., 2:].contiguous().view(torch.int8)
+    return q.reshape(shape).clone(), d.reshape(*shape[:-1], shape[-1] // BLOCK).float().contiguous()
+
+
 def mxfp4_to_packed(raw: torch.Tensor, shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
     """MXFP4 blocks of a [..., n] tensor -> (weight_packed uint8 [..., n/2], weight_scale uint8 [..., n/32]),
     the layout of `k3.ops.mx.quantize_mx` and of k3's packed experts; the codes are not decoded."""

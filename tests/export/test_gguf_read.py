@@ -364,3 +364,22 @@ def test_a_bf16_file_runs_in_the_native_step_with_the_bits_of_its_f32_decoding(s
     prompts = [_ids()[0].tolist(), _ids()[1].tolist()[:9]]
     got = [(s.output, s.logprobs) for s in bf16.generate(prompts, params)]
     assert got == [(s.output, s.logprobs) for s in f32.generate(prompts, params)]
+
+
+@pytest.mark.parametrize("outtype", ["q8_0", "mxfp4_moe"])
+def test_an_8_bit_file_keeps_its_blocks_and_runs_in_the_native_step(source, outtype):
+    """Q8_0 linear layers stay Q8_0 blocks (a quarter of the f32 bytes) and the engine runs them in the C
+    step, every row: tokens and logprobs equal the same file widened to f32, bit for bit."""
+    from k3.quant.q8 import Q8Linear
+
+    _, _, files = source
+    cfg = dict(page_size=16, prefix_unit=16, num_pages=24, max_model_len=256, max_num_seqs=2)
+    q8 = Engine.from_checkpoint(str(files[outtype]), EngineConfig(**cfg))
+    held = [m for m in q8.model.modules() if isinstance(m, Q8Linear)]
+    assert held and all(m.codes.dtype == torch.int8 for m in held) and q8.runner.exact
+    f32 = Engine(load_gguf(files[outtype], keep_q8=False).model, EngineConfig(**cfg, deterministic=True))
+    assert not any(isinstance(m, Q8Linear) for m in f32.model.modules())
+    params = SamplingParams(max_tokens=8, logprobs=3, ignore_eos=True)
+    prompts = [_ids()[0].tolist(), _ids()[1].tolist()[:9]]
+    got = [(s.output, s.logprobs) for s in q8.generate(prompts, params)]
+    assert got == [(s.output, s.logprobs) for s in f32.generate(prompts, params)]

@@ -214,7 +214,7 @@ def test_the_backend_is_chosen_once_when_the_engine_is_built_and_logged(caplog):
     assert said == [
         "decode backend: native C step (up to 64 rows; torch, eager beyond)",
         "decode backend: torch, eager (EngineConfig.native is off)",
-        "decode backend: torch, eager (the model is neither fp32 nor bf16 on the CPU)",
+        "decode backend: torch, eager (the model's weights are neither fp32, bf16 nor Q8_0 on the CPU)",
     ]
 
 
@@ -237,7 +237,7 @@ def test_the_ctypes_structs_match_the_c_layout(monkeypatch):
     class Dims(ctypes.Structure):  # one field short
         _fields_ = native_step.Dims._fields_[:-1]
 
-    problems = native_step.layout_problems((Dims, native_step.Layer, Ends))
+    problems = native_step.layout_problems((Dims, native_step.Layer, Ends, native_step.WDesc))
     assert problems == [
         "Dims.kda_scale: only in C",
         "Ends.norm: C says 8, Python 16",
@@ -290,3 +290,27 @@ def test_the_release_format_runs_natively(tmp_path, prompt):
     prompts = [prompt(50, 4), prompt(12, 5)]
     got = [(s.output, s.logprobs) for s in rel.generate(prompts, params)]
     assert got == [(s.output, s.logprobs) for s in ref.generate(prompts, params)]
+
+
+def test_q8_0_weights_give_the_bits_of_their_fp32_copy(prompt):
+    """Linear layers held as Q8_0 blocks (k3.quant.q8) run in the C step, every row, reading the codes:
+    tokens and logprobs equal those of the widened fp32 matrices, bit for bit."""
+    import copy
+
+    from k3.quant.q8 import Q8Linear, quantize_linears
+
+    q8 = quantize_linears(model_of(VARIANTS["wider, top-3 of 16, 2 shared, AttnRes blocks of 3"]), skip=())
+    assert sum(isinstance(m, Q8Linear) for m in q8.modules()) > 10
+    f32 = copy.deepcopy(q8)
+    for name, m in [(n, m) for n, m in f32.named_modules() if isinstance(m, Q8Linear)]:
+        parent, _, leaf = name.rpartition(".")
+        lin = torch.nn.Linear(m.in_features, m.out_features, bias=False)
+        lin.weight.data = m.weight
+        setattr(f32.get_submodule(parent) if parent else f32, leaf, lin)
+    a = Engine(q8, EngineConfig(**CFG))
+    b = Engine(f32, EngineConfig(**CFG, deterministic=True))
+    assert a.runner.exact and a.runner.decode.native.typed and not b.runner.decode.native.typed
+    params = SamplingParams(max_tokens=12, logprobs=5, ignore_eos=True)
+    prompts = [prompt(70, 1), prompt(9, 2), prompt(33, 3)]
+    got = [(s.output, s.logprobs) for s in a.generate(prompts, params)]
+    assert got == [(s.output, s.logprobs) for s in b.generate(prompts, params)]

@@ -39,7 +39,7 @@ MAX_ROWS = 64  # rows per call; larger decode batches are matrix products torch'
 class Dims(ctypes.Structure):
     _fields_ = [
         *((n, I64) for n in "D V L H K W HM Dn Dr Dv R Q E topk I Dl Is Id".split()),
-        *((n, I64) for n in "dense_layers block page_size pages safe_gate latent_norm renorm bf16".split()),
+        *((n, I64) for n in "dense_layers block page_size pages safe_gate latent_norm renorm typed".split()),
         *((n, F32) for n in "rms_eps latent_eps res_eps l2_eps lower_bound beta1 beta2 scaling mla_scale "
           "kda_scale".split()),
     ]  # fmt: skip
@@ -61,6 +61,13 @@ class Layer(ctypes.Structure):
     _fields_ = [("mla", I64), ("moe", I64), ("mx", I64), *((n, PTR) for n in (*_LAYER_PTRS, *_MX_PTRS))]
 
 
+class WDesc(ctypes.Structure):  # decode_common.h's: a weight matrix of a typed model
+    _fields_ = [("type", I64), ("data", PTR), ("scales", PTR)]
+
+
+W_F32, W_BF16, W_Q8_0 = 0, 1, 2
+
+
 class Ends(ctypes.Structure):
     _fields_ = [(n, PTR) for n in ("embed", "norm", "out_res", "lm_head")]
 
@@ -72,7 +79,7 @@ class _LayoutEntry(ctypes.Structure):  # decode_step.c's LayoutEntry: field "" h
     _fields_ = [("type", ctypes.c_char_p), ("field", ctypes.c_char_p), ("value", I64)]
 
 
-def layout_problems(structs=(Dims, Layer, Ends)) -> list[str] | None:
+def layout_problems(structs=(Dims, Layer, Ends, WDesc)) -> list[str] | None:
     """How the ctypes `structs` differ from the C step's own layout table (sizes and field offsets,
     decode_step.c); [] when they agree, None when the C step is not built."""
     fn = native.function("decode_step", "k3_decode_layout", [ctypes.POINTER(ctypes.POINTER(_LayoutEntry))])
@@ -104,7 +111,7 @@ def unsupported(runner) -> str | None:
         return "native kernels are off (K3_NATIVE=0)"
     if runner.device.type != "cpu" or weight_dtype(model) is None:  # (packed experts are uint8 buffers,
         # not parameters)
-        return "the model is neither fp32 nor bf16 on the CPU"
+        return "the model's weights are neither fp32, bf16 nor Q8_0 on the CPU"
     from k3.model.moe import RoutedExperts
     from k3.quant.packed import PackedRoutedExperts
 
@@ -120,22 +127,35 @@ def unsupported(runner) -> str | None:
     return None
 
 
-def weight_dtype(model) -> torch.dtype | None:
-    """torch.float32 or torch.bfloat16 when every weight matrix of `model` (linear layers, embeddings,
-    stacked routed experts) has that dtype and every other parameter (norm gains, biases, conv kernels:
-    read as fp32 copies) is one of the two; else None."""
+def matrices(model) -> dict[int, object]:
+    """id -> each weight matrix the C step reads through `wjob` (linear layers, Q8_0 layers, embeddings,
+    stacked routed experts): a tensor, or a k3.quant.q8.Q8Linear."""
     from k3.model.moe import RoutedExperts
+    from k3.quant.q8 import Q8Linear
 
-    matrices = set()
+    out: dict[int, object] = {}
     for m in model.modules():
         if isinstance(m, (torch.nn.Linear, torch.nn.Embedding)):
-            matrices.add(m.weight)
+            out[id(m.weight)] = m.weight
+        elif isinstance(m, Q8Linear):
+            out[id(m)] = m
         elif isinstance(m, RoutedExperts):
-            matrices.update((m.w1, m.w2, m.w3))
-    kinds = {p.dtype for p in matrices}
-    others = {p.dtype for p in model.parameters() if all(p is not q for q in matrices)}
-    ok = {torch.float32, torch.bfloat16}
-    return kinds.pop() if len(kinds) == 1 and kinds <= ok and others <= ok else None
+            out.update((id(w), w) for w in (m.w1, m.w2, m.w3))
+    return out
+
+
+def weight_dtype(model) -> torch.dtype | str | None:
+    """How the weight matrices of `model` are stored: torch.float32 when all are fp32, "typed" when each
+    is fp32, bf16 or Q8_0 (not all fp32), None when one is something else; the other parameters (norm
+    gains, biases, conv kernels: read as fp32 copies) must be fp32 or bf16."""
+    from k3.quant.q8 import Q8Linear
+
+    mats = matrices(model)
+    kinds = {"q8_0" if isinstance(w, Q8Linear) else w.dtype for w in mats.values()}
+    others = {p.dtype for p in model.parameters() if id(p) not in mats}
+    if not kinds <= {torch.float32, torch.bfloat16, "q8_0"} or not others <= {torch.float32, torch.bfloat16}:
+        return None
+    return torch.float32 if kinds <= {torch.float32} else "typed"
 
 
 class NativeDecodeStep:
@@ -145,15 +165,16 @@ class NativeDecodeStep:
 
     def __init__(self, runner, fn):
         self.runner, self.fn = runner, fn
-        self._keep: list[torch.Tensor] = []  # every tensor a pointer refers to stays alive here
+        self._keep: list = []  # every tensor and WDesc a pointer refers to stays alive here
+        self.typed = weight_dtype(runner.model) == "typed"
         self.dims = self._dims()
         self.layers = (Layer * self.dims.L)(*(self._layer(i) for i in range(self.dims.L)))
         m = runner.model
         self.ends = Ends(
-            self._ptr(m.model.embed_tokens.weight),
+            self._mat(m.model.embed_tokens.weight),
             self._vec(m.model.norm.weight),
             self._ptr(_res_query(m.model.output_attn_res_norm, m.model.output_attn_res_proj)),
-            self._ptr(m.lm_head.weight),
+            self._mat(m.lm_head),
         )
         self._scratch = torch.empty(0)
         self._size_fn = native.function("decode_step", "k3_decode_scratch_floats", [PTR, I64, I64, I64])
@@ -205,6 +226,25 @@ class NativeDecodeStep:
         return logits
 
     # ---- the tables ----------------------------------------------------------------------------------
+    def _mat(self, w) -> int | None:
+        """A weight matrix (a tensor, a module with `.weight`, or a Q8Linear): its data pointer, or for a
+        typed model the address of its WDesc (decode_common.h)."""
+        from k3.quant.q8 import Q8Linear
+
+        if w is None:
+            return None
+        if not isinstance(w, (torch.Tensor, Q8Linear)):
+            w = w.weight
+        if not self.typed:
+            return self._ptr(w)
+        if isinstance(w, Q8Linear):
+            desc = WDesc(W_Q8_0, self._ptr(w.codes), self._ptr(w.scales))
+        else:
+            kind = W_BF16 if w.dtype == torch.bfloat16 else W_F32
+            desc = WDesc(kind, self._ptr(w), None)
+        self._keep.append(desc)
+        return ctypes.addressof(desc)
+
     def _vec(self, t: torch.Tensor | None) -> int | None:
         """A vector (a norm's gain, a bias, a conv kernel) as fp32, whatever the model's dtype."""
         return None if t is None else self._ptr(t.detach().float())
@@ -231,7 +271,7 @@ class NativeDecodeStep:
             Is=shared, Id=c.intermediate_size, dense_layers=c.first_k_dense_replace,
             block=c.attn_res_block_size, page_size=r.config.page_size, pages=block_table_width(r.config),
             safe_gate=int(la.gate_lower_bound is not None), latent_norm=int(c.latent_moe_use_norm),
-            renorm=int(c.moe_renormalize), bf16=int(weight_dtype(self.runner.model) == torch.bfloat16),
+            renorm=int(c.moe_renormalize), typed=int(self.typed),
             rms_eps=c.rms_norm_eps, latent_eps=c.latent_norm_eps, res_eps=_attn_res_eps(),
             l2_eps=_l2_eps(), lower_bound=la.gate_lower_bound or 0.0,
             beta1=c.activation_situ_beta, beta2=c.activation_situ_linear_beta,
@@ -241,7 +281,7 @@ class NativeDecodeStep:
     def _layer(self, i: int) -> Layer:
         r, layer = self.runner, self.runner.model.model.layers[i]
         p = self._ptr
-        v = self._vec  # vectors fp32; matrices (p) as the model stores them (Dims.bf16)
+        v, mat = self._vec, self._mat  # vectors fp32; matrices as the model stores them (Dims.typed)
         fields = dict(
             attn_norm=v(layer.input_layernorm.weight),
             ffn_norm=v(layer.post_attention_layernorm.weight),
@@ -252,23 +292,23 @@ class NativeDecodeStep:
         if i in r.kda:
             pools = r.kda[i]
             fields.update(
-                wq=p(a.q_proj.weight), wk=p(a.k_proj.weight), wv=p(a.v_proj.weight),
+                wq=mat(a.q_proj), wk=mat(a.k_proj), wv=mat(a.v_proj),
                 conv_q=v(a.q_conv1d.weight), conv_k=v(a.k_conv1d.weight), conv_v=v(a.v_conv1d.weight),
-                wfa=p(a.f_a_proj.weight), wfb=p(a.f_b_proj.weight), dt_bias=v(a.dt_bias),
-                a_exp=p(a.A_log.detach().float().exp()), wb=p(a.b_proj.weight), wg=p(a.g_proj.weight),
-                o_norm=v(a.o_norm.weight), wo=p(a.o_proj.weight),
+                wfa=mat(a.f_a_proj), wfb=mat(a.f_b_proj), dt_bias=v(a.dt_bias),
+                a_exp=p(a.A_log.detach().float().exp()), wb=mat(a.b_proj), wg=mat(a.g_proj),
+                o_norm=v(a.o_norm.weight), wo=mat(a.o_proj),
                 pool_conv_q=pools["conv_q"].data_ptr(), pool_conv_k=pools["conv_k"].data_ptr(),
                 pool_conv_v=pools["conv_v"].data_ptr(), pool_rec=pools["recurrent"].data_ptr(),
             )  # fmt: skip
         else:
             q_lora = hasattr(a, "q_a_proj")
             fields.update(
-                wqa=p(a.q_a_proj.weight) if q_lora else None,
+                wqa=mat(a.q_a_proj) if q_lora else None,
                 qa_norm=v(a.q_a_layernorm.weight) if q_lora else None,
-                wqb=p(a.q_b_proj.weight if q_lora else a.q_proj.weight),
-                wkva=p(a.kv_a_proj_with_mqa.weight), kva_norm=v(a.kv_a_layernorm.weight),
-                wkvb=p(a.kv_b_proj.weight), wkbt=p(_key_absorption(a.kv_b_proj.weight, r.model.config)),
-                mg=p(a.g_proj.weight), mo=p(a.o_proj.weight),
+                wqb=mat(a.q_b_proj if q_lora else a.q_proj),
+                wkva=mat(a.kv_a_proj_with_mqa), kva_norm=v(a.kv_a_layernorm.weight),
+                wkvb=mat(a.kv_b_proj), wkbt=p(_key_absorption(a.kv_b_proj.weight, r.model.config)),
+                mg=mat(a.g_proj), mo=mat(a.o_proj),
                 pool_lat=r.mla[i].data_ptr(),
             )  # fmt: skip
         if hasattr(layer, "block_sparse_moe"):
@@ -276,10 +316,10 @@ class NativeDecodeStep:
             sh = moe.shared_experts
             fields.update(
                 router=v(moe.gate.weight), router_bias=v(moe.gate.e_score_correction_bias),  # fp32 in C
-                lat_down=p(moe.routed_expert_down_proj.weight), lat_up=p(moe.routed_expert_up_proj.weight),
+                lat_down=mat(moe.routed_expert_down_proj), lat_up=mat(moe.routed_expert_up_proj),
                 lat_norm=v(moe.routed_expert_norm.weight) if moe.routed_expert_norm is not None else None,
-                w_gate=p(sh.gate_proj.weight) if sh else None, w_up=p(sh.up_proj.weight) if sh else None,
-                w_down=p(sh.down_proj.weight) if sh else None,
+                w_gate=mat(sh.gate_proj) if sh else None, w_up=mat(sh.up_proj) if sh else None,
+                w_down=mat(sh.down_proj) if sh else None,
             )  # fmt: skip
             ex = moe.experts
             if hasattr(ex.w1, "weight_packed"):  # MXFP4, decoded in registers by the kernel
@@ -288,12 +328,10 @@ class NativeDecodeStep:
                     pw = getattr(ex, w)
                     fields[w + "q"], fields[w + "s"] = p(pw.weight_packed), p(pw.weight_scale)
             else:
-                fields.update(w1=p(ex.w1), w2=p(ex.w2), w3=p(ex.w3))
+                fields.update(w1=mat(ex.w1), w2=mat(ex.w2), w3=mat(ex.w3))
         else:
             mlp = layer.mlp
-            fields.update(
-                w_gate=p(mlp.gate_proj.weight), w_up=p(mlp.up_proj.weight), w_down=p(mlp.down_proj.weight)
-            )
+            fields.update(w_gate=mat(mlp.gate_proj), w_up=mat(mlp.up_proj), w_down=mat(mlp.down_proj))
         fields.setdefault("mx", 0)
         return Layer(mla=int(i not in r.kda), moe=int(hasattr(layer, "block_sparse_moe")), **fields)
 

@@ -24,7 +24,7 @@ typedef struct {
     int64_t HM, Dn, Dr, Dv, R, Q;  /* MLA heads, nope / rope / value dims, latent rank, q_lora (0: none) */
     int64_t E, topk, I, Dl, Is, Id; /* experts, top-k, expert width, latent width, shared width (0: none), dense width */
     int64_t dense_layers, block, page_size, pages, safe_gate, latent_norm, renorm;
-    int64_t bf16; /* the weight matrices (wjob's) are bf16, not fp32; vectors, router and wkbt stay fp32 */
+    int64_t typed; /* the weight matrices (wjob's bases) are WDesc, each fp32, bf16 or Q8_0; else all fp32 */
     float rms_eps, latent_eps, res_eps, l2_eps, lower_bound, beta1, beta2, scaling, mla_scale, kda_scale;
 } Dims;
 
@@ -43,12 +43,22 @@ typedef struct {
     const uint8_t *w1q, *w1s, *w2q, *w2s, *w3q, *w3s; /* [E, out, in/2], [E, out, in/32] */
 } Layer;
 
+/* one weight matrix of a typed model (Dims.typed): how it is stored */
+enum { W_F32 = 0, W_BF16 = 1, W_Q8_0 = 2 };
+typedef struct {
+    int64_t type;
+    const void *data;    /* [rows, cols] elements of the type (Q8_0: int8 codes) */
+    const float *scales; /* Q8_0: [rows, cols / 32]; else NULL */
+} WDesc;
+
 typedef struct {
     const float *w, *x;
     int64_t rows, cols, ldx, B, ldy;
     float *y;
     const uint8_t *mxq, *mxs; /* an MXFP4 W instead of w (x then split by mx_split_input) */
     const uint16_t *wb;       /* a bf16 W instead of w */
+    const int8_t *q8;         /* a Q8_0 W instead of w: codes, with q8s its scales */
+    const float *q8s;
 } Job;
 
 /* inputs of `cols` floats per block of a product with more than 64 inputs (never a decode batch): 256 KB
@@ -88,6 +98,12 @@ static void run_jobs(const Job *jobs, int n, int t, int nt) {
                 else if (q->mxq)
                     gemv_rows_mx(q->mxq, q->mxs, q->cols, q->x + b0 * q->cols, nb, q->y + b0 * q->ldy, q->ldy,
                                  r0, r1);
+                else if (q->q8 && wide)
+                    gemv_rows_q8_wide(q->q8, q->q8s, q->cols, q->x + b0 * q->ldx, q->ldx, nb, q->y + b0 * q->ldy,
+                                      q->ldy, r0, r1);
+                else if (q->q8)
+                    gemv_rows_q8(q->q8, q->q8s, q->cols, q->x + b0 * q->ldx, q->ldx, nb, q->y + b0 * q->ldy,
+                                 q->ldy, r0, r1);
                 else if (q->wb && wide)
                     gemv_rows_wide_bf16_staged(q->wb, q->cols, q->x + b0 * q->ldx, q->ldx, nb,
                                                q->y + b0 * q->ldy, q->ldy, r0, r1);
@@ -107,23 +123,32 @@ static void run_jobs(const Job *jobs, int n, int t, int nt) {
 
 static inline Job job(const float *w, int64_t rows, int64_t cols, const float *x, int64_t ldx, int64_t B,
                       float *y, int64_t ldy) {
-    Job j = {w, x, rows, cols, ldx, B, ldy, y, NULL, NULL, NULL};
+    Job j = {w, x, rows, cols, ldx, B, ldy, y, NULL, NULL, NULL, NULL, NULL};
     return j;
 }
 
-/* a product with one of the model's weight matrices, `base` + `offset` elements: bf16 or fp32 as the
- * model stores them (d->bf16) */
+/* a product with one of the model's weight matrices, `base` + `offset` elements: fp32, or (Dims.typed)
+ * the matrix its WDesc describes */
 static inline Job wjob(const Dims *d, const void *base, int64_t offset, int64_t rows, int64_t cols,
                        const float *x, int64_t ldx, int64_t B, float *y, int64_t ldy) {
-    if (!d->bf16) return job((const float *)base + offset, rows, cols, x, ldx, B, y, ldy);
-    Job j = {NULL, x, rows, cols, ldx, B, ldy, y, NULL, NULL, (const uint16_t *)base + offset};
+    if (!d->typed || !base) /* (a missing matrix, such as absent shared experts: a job never run) */
+        return job(base ? (const float *)base + offset : NULL, rows, cols, x, ldx, B, y, ldy);
+    const WDesc *w = (const WDesc *)base;
+    Job j = job(NULL, rows, cols, x, ldx, B, y, ldy);
+    if (w->type == W_BF16)
+        j.wb = (const uint16_t *)w->data + offset;
+    else if (w->type == W_Q8_0)
+        j.q8 = (const int8_t *)w->data + offset, j.q8s = w->scales + offset / 32;
+    else
+        j.w = (const float *)w->data + offset;
     return j;
 }
 
 /* expert e's MXFP4 matrix [rows, cols] of a stacked packed weight */
 static inline Job mx_job(const uint8_t *q, const uint8_t *sc, int64_t e, int64_t rows, int64_t cols,
                          const float *xs, int64_t B, float *y, int64_t ldy) {
-    Job j = {NULL, xs, rows, cols, cols, B, ldy, y, q + e * rows * (cols / 2), sc + e * rows * (cols / 32), NULL};
+    Job j = {NULL, xs, rows, cols, cols, B, ldy, y, q + e * rows * (cols / 2), sc + e * rows * (cols / 32), NULL,
+             NULL, NULL};
     return j;
 }
 

@@ -27,8 +27,22 @@
 #include "decode_ffn.h"    /* dense GLU and LatentMoE */
 
 /* ---- the step ---------------------------------------------------------------------------------------- */
+/* the embedding row of token `id` as fp32 (a typed model's table is a WDesc) */
+static void embed_row(const Dims *d, const void *table, int64_t id, float *out) {
+    const int64_t D = d->D;
+    const WDesc *w = (const WDesc *)table;
+    if (!d->typed || w->type == W_F32) {
+        memcpy(out, (const float *)(d->typed ? w->data : table) + id * D, D * sizeof(float));
+    } else if (w->type == W_BF16) {
+        for (int64_t i = 0; i < D; i++) out[i] = bf16_at((const uint16_t *)w->data + id * D, i);
+    } else {
+        const int8_t *q = (const int8_t *)w->data + id * D;
+        for (int64_t i = 0; i < D; i++) out[i] = (float)q[i] * w->scales[(id * D + i) / 32];
+    }
+}
+
 typedef struct {
-    const float *embed, *norm, *out_res, *lm_head; /* embed and lm_head bf16 when Dims.bf16 */
+    const float *embed, *norm, *out_res, *lm_head; /* embed and lm_head WDesc when Dims.typed */
 } Ends;
 
 /* logits [n_out, V] of rows out_rows [n_out] (ascending) for ids [B] at lengths [B] (cached tokens before
@@ -48,14 +62,7 @@ void k3_decode_step(const Dims *d, const Layer *layers, const Ends *ends, int64_
         if (b == 0 || slots[b] != slots[b - 1]) s.run_start[s.n_runs++] = b;
     s.run_start[s.n_runs] = B;
     const int64_t D = d->D, BD = B * D;
-    for (int64_t b = 0; b < B; b++) {
-        if (!d->bf16) {
-            memcpy(s.buf + b * D, ends->embed + ids[b] * D, D * sizeof(float));
-            continue;
-        }
-        const uint16_t *row = (const uint16_t *)ends->embed + ids[b] * D;
-        for (int64_t i = 0; i < D; i++) s.buf[b * D + i] = bf16_at(row, i);
-    }
+    for (int64_t b = 0; b < B; b++) embed_row(d, ends->embed, ids[b], s.buf + b * D);
     int64_t nb = 0; /* completed blocks: buf[0 .. nb-1]; the partial sum is buf[nb] */
 #pragma omp parallel num_threads(threads)
     {
@@ -133,7 +140,7 @@ static const LayoutEntry LAYOUT[] = {
     AT(Dims, Dn), AT(Dims, Dr), AT(Dims, Dv), AT(Dims, R), AT(Dims, Q), AT(Dims, E), AT(Dims, topk),
     AT(Dims, I), AT(Dims, Dl), AT(Dims, Is), AT(Dims, Id), AT(Dims, dense_layers), AT(Dims, block),
     AT(Dims, page_size), AT(Dims, pages), AT(Dims, safe_gate), AT(Dims, latent_norm), AT(Dims, renorm),
-    AT(Dims, bf16), AT(Dims, rms_eps), AT(Dims, latent_eps), AT(Dims, res_eps), AT(Dims, l2_eps),
+    AT(Dims, typed), AT(Dims, rms_eps), AT(Dims, latent_eps), AT(Dims, res_eps), AT(Dims, l2_eps),
     AT(Dims, lower_bound), AT(Dims, beta1), AT(Dims, beta2), AT(Dims, scaling), AT(Dims, mla_scale),
     AT(Dims, kda_scale),
     SIZE(Layer),
@@ -147,6 +154,7 @@ static const LayoutEntry LAYOUT[] = {
     AT(Layer, w_up), AT(Layer, w_down), AT(Layer, router), AT(Layer, router_bias), AT(Layer, lat_down),
     AT(Layer, lat_norm), AT(Layer, lat_up), AT(Layer, w1), AT(Layer, w2), AT(Layer, w3), AT(Layer, w1q),
     AT(Layer, w1s), AT(Layer, w2q), AT(Layer, w2s), AT(Layer, w3q), AT(Layer, w3s),
+    SIZE(WDesc), AT(WDesc, type), AT(WDesc, data), AT(WDesc, scales),
     SIZE(Ends),
     AT(Ends, embed), AT(Ends, norm), AT(Ends, out_res), AT(Ends, lm_head),
 };

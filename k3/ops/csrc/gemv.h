@@ -11,6 +11,9 @@
 #include <string.h>
 
 #include "lanes.h"
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
 
 /* weight rows ahead that the products prefetch. The weights of a small model sit in L3, which one core
  * reads at ~20 GB/s only with many lines in flight: the hardware prefetcher does not run far enough
@@ -130,13 +133,96 @@ static void gemv_rows_wide_bf16_staged(const uint16_t *restrict W, int64_t I, co
     }
 }
 
+/* ---- Q8_0 weights (llama.cpp's 8-bit blocks: int8 codes [O, I], one scale per 32 inputs [O, I/32]) ----
+ * A weight is its code times its block's scale, exact in fp32 (8 by 11 significant bits), so the products
+ * sum exactly what they would over the widened fp32 matrix, in gemv_rows' order: a Q8_0 matrix gives the
+ * bits of its fp32 copy while reading a quarter of the bytes. I is a multiple of 32. */
+typedef int32_t v16i __attribute__((vector_size(64)));
+
+/* 16 codes widened and scaled. Written with the instruction set's own sign extension: gcc turns the
+ * vector-extension conversion of 16 int8 into a chain of scalar inserts */
+static inline lanes16 load16_q8(const int8_t *q, float s) {
+    lanes16 v;
+#if defined(__AVX512F__)
+    const __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)q)));
+    memcpy(&v, &f, sizeof v);
+#elif defined(__AVX2__)
+    const __m256 lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)q)));
+    const __m256 hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(q + 8))));
+    memcpy(&v, &lo, sizeof lo);
+    memcpy((char *)&v + sizeof lo, &hi, sizeof hi);
+#else
+    for (int j = 0; j < 16; j++) v[j] = (float)q[j];
+#endif
+    return v * s;
+}
+
+static inline float dot_q8(const int8_t *restrict q, const float *restrict sc, const float *restrict x, int64_t n) {
+    lanes16 acc = {0};
+    for (int64_t i = 0; i < n; i += 16) {
+        __builtin_prefetch((const char *)(q + i) + GEMV_PREFETCH_BYTES / 4);
+        acc += load16_q8(q + i, sc[i / 32]) * load16(x + i);
+    }
+    return hsum16(acc);
+}
+
+/* rows o0..o1 of Y = W X^T for a Q8_0 W: four rows x four inputs per pass (as gemv_rows), one row after
+ * another at batch 1 */
+static void gemv_rows_q8(const int8_t *restrict Q, const float *restrict S, int64_t I, const float *restrict X,
+                         int64_t ldx, int64_t B, float *restrict Y, int64_t ldy, int64_t o0, int64_t o1) {
+    const int64_t nb = I / 32;
+    int64_t o = o0;
+    if (B == 1) {
+        for (; o < o1; o++) Y[o] = dot_q8(Q + o * I, S + o * nb, X, I);
+        return;
+    }
+    for (; o + 4 <= o1; o += 4)
+        for (int64_t b = 0; b < B; b += 4) {
+            const int64_t n = B - b < 4 ? B - b : 4;
+            const float *xs[4];
+            for (int c = 0; c < 4; c++) xs[c] = X + (b + (c < n ? c : 0)) * ldx;
+            lanes16 acc[16] = {{0}};
+            for (int64_t i = 0; i < I; i += 16) {
+                lanes16 wv[4];
+                for (int r = 0; r < 4; r++) wv[r] = load16_q8(Q + (o + r) * I + i, S[(o + r) * nb + i / 32]);
+                const lanes16 xv[4] = {load16(xs[0] + i), load16(xs[1] + i), load16(xs[2] + i), load16(xs[3] + i)};
+                for (int r = 0; r < 4; r++)
+                    for (int c = 0; c < 4; c++) acc[4 * r + c] += wv[r] * xv[c];
+            }
+            const lanes16 sums = hsum16x16(acc);
+            for (int r = 0; r < 4; r++)
+                for (int c = 0; c < n; c++) Y[(b + c) * ldy + o + r] = sums[4 * r + c];
+        }
+    for (; o < o1; o++)
+        for (int64_t b = 0; b < B; b++) Y[b * ldy + o] = dot_q8(Q + o * I, S + o * nb, X + b * ldx, I);
+}
+
+/* many inputs: eight rows widened into an fp32 block, then gemv_rows_wide (the same bits) */
+static void gemv_rows_q8_wide(const int8_t *restrict Q, const float *restrict S, int64_t I,
+                              const float *restrict X, int64_t ldx, int64_t B, float *restrict Y, int64_t ldy,
+                              int64_t o0, int64_t o1) {
+    float block[8 * GEMV_WIDE_MAX_I];
+    const int64_t nb = I / 32;
+    for (int64_t o = o0; o < o1; o += 8) {
+        const int64_t n = o1 - o < 8 ? o1 - o : 8;
+        for (int64_t r = 0; r < n; r++)
+            for (int64_t i = 0; i < I; i += 16) {
+                const lanes16 v = load16_q8(Q + (o + r) * I + i, S[(o + r) * nb + i / 32]);
+                memcpy(block + r * I + i, &v, sizeof v);
+            }
+        if (n == 8)
+            gemv_rows_wide(block, I, X, ldx, B, Y + o, ldy, 0, 8);
+        else
+            gemv_rows(block, I, X, ldx, B, Y + o, ldy, 0, n);
+    }
+}
+
 /* ---- MXFP4 weights (OCP MX: E2M1 codes, one E8M0 scale per 32 inputs; the compressed-tensors layout:
  * byte j of a block holds element 2j in its low nibble, 2j+1 in its high nibble) --------------------
  * The weights are decoded in registers, 16 codes at a time through a 16-entry table, and never
  * written out: a decode reads 17 bytes per 32 weights instead of 128. The inputs are first split per
  * block into their even and odd elements (`mx_split_input`), so the low and high nibbles each meet a
  * contiguous vector of inputs. */
-typedef int32_t v16i __attribute__((vector_size(64)));
 typedef uint8_t v16b __attribute__((vector_size(16)));
 
 static const lanes16 MX_E2M1 = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
