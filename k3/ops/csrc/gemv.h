@@ -223,7 +223,24 @@ static void gemv_rows_q8_wide(const int8_t *restrict Q, const float *restrict S,
  * written out: a decode reads 17 bytes per 32 weights instead of 128. The inputs are first split per
  * block into their even and odd elements (`mx_split_input`), so the low and high nibbles each meet a
  * contiguous vector of inputs. */
-typedef uint8_t v16b __attribute__((vector_size(16)));
+
+/* 16 bytes zero-extended to 32-bit lanes, with the instruction set's own extension (gcc turns the
+ * vector-extension conversion into scalar inserts: MXFP4 decode 2x slower) */
+static inline v16i bytes16(const uint8_t *p) {
+    v16i v;
+#if defined(__AVX512F__)
+    const __m512i w = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+    memcpy(&v, &w, sizeof v);
+#elif defined(__AVX2__)
+    const __m256i lo = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+    const __m256i hi = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8)));
+    memcpy(&v, &lo, sizeof lo);
+    memcpy((char *)&v + sizeof lo, &hi, sizeof hi);
+#else
+    for (int j = 0; j < 16; j++) v[j] = p[j];
+#endif
+    return v;
+}
 
 static const lanes16 MX_E2M1 = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
                             -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
@@ -259,9 +276,7 @@ static void gemv_rows_mx(const uint8_t *restrict packed, const uint8_t *restrict
             const int64_t nbat = B - b0 < 4 ? B - b0 : 4;
             lanes16 acc[4] = {{0}, {0}, {0}, {0}};
             for (int64_t k = 0; k < nb; k++) {
-                v16b raw;
-                memcpy(&raw, q + 16 * k, sizeof raw);
-                const v16i codes = __builtin_convertvector(raw, v16i);
+                const v16i codes = bytes16(q + 16 * k);
                 const float s = e8m0(sc[k]); /* a power of two: the scaled values are exact (or flushed) */
                 const lanes16 lo = __builtin_shuffle(MX_E2M1, codes & 15) * s;
                 const lanes16 hi = __builtin_shuffle(MX_E2M1, codes >> 4) * s;
@@ -290,9 +305,7 @@ static void gemv_rows_mx_wide(const uint8_t *restrict packed, const uint8_t *res
         for (int64_t r = 0; r < n; r++) {
             const uint8_t *q = packed + (o + r) * (I / 2), *sc = scales + (o + r) * nb;
             for (int64_t k = 0; k < nb; k++) {
-                v16b raw;
-                memcpy(&raw, q + 16 * k, sizeof raw);
-                const v16i codes = __builtin_convertvector(raw, v16i);
+                const v16i codes = bytes16(q + 16 * k);
                 const float s = e8m0(sc[k]);
                 const lanes16 lo = __builtin_shuffle(MX_E2M1, codes & 15) * s;
                 const lanes16 hi = __builtin_shuffle(MX_E2M1, codes >> 4) * s;
