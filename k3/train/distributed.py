@@ -144,7 +144,7 @@ class DistributedRuntime(LocalRuntime):
     ) -> torch.Tensor:
         gamma = clip_factors(s_max, tau)
         if not isinstance(q_w, DTensor):
-            return qk_clip_(q_w.data, kv_w.data, s_max, dn, dr, dv, tau)
+            return super().qk_clip_(q_w, kv_w, s_max, dn, dr, dv, tau)
         if not bool((gamma < 1).any()):  # the same decision on every rank: s_max is maxed over ranks
             return gamma
         full_q, full_kv = q_w.full_tensor(), kv_w.full_tensor()  # all-gathers of the row shards

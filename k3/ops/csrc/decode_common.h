@@ -93,20 +93,20 @@ static void run_jobs(const Job *jobs, int n, int t, int nt) {
                  * into an fp32 block first once 16 inputs share it (a prompt chunk's expert) */
                 const int wide = q->cols <= GEMV_WIDE_MAX_I && q->B > (q->w ? 64 : 15);
                 if (q->mxq && wide)
-                    gemv_rows_mx_wide(q->mxq, q->mxs, q->cols, q->x + b0 * q->cols, nb, q->y + b0 * q->ldy,
-                                      q->ldy, r0, r1);
+                    gemv_rows_staged(widen_mx, q->mxq, q->mxs, q->cols, q->x + b0 * q->cols, q->cols, nb,
+                                     q->y + b0 * q->ldy, q->ldy, r0, r1);
                 else if (q->mxq)
                     gemv_rows_mx(q->mxq, q->mxs, q->cols, q->x + b0 * q->cols, nb, q->y + b0 * q->ldy, q->ldy,
                                  r0, r1);
                 else if (q->q8 && wide)
-                    gemv_rows_q8_wide(q->q8, q->q8s, q->cols, q->x + b0 * q->ldx, q->ldx, nb, q->y + b0 * q->ldy,
-                                      q->ldy, r0, r1);
+                    gemv_rows_staged(widen_q8, q->q8, q->q8s, q->cols, q->x + b0 * q->ldx, q->ldx, nb,
+                                     q->y + b0 * q->ldy, q->ldy, r0, r1);
                 else if (q->q8)
                     gemv_rows_q8(q->q8, q->q8s, q->cols, q->x + b0 * q->ldx, q->ldx, nb, q->y + b0 * q->ldy,
                                  q->ldy, r0, r1);
                 else if (q->wb && wide)
-                    gemv_rows_wide_bf16_staged(q->wb, q->cols, q->x + b0 * q->ldx, q->ldx, nb,
-                                               q->y + b0 * q->ldy, q->ldy, r0, r1);
+                    gemv_rows_staged(widen_bf16, q->wb, NULL, q->cols, q->x + b0 * q->ldx, q->ldx, nb,
+                                     q->y + b0 * q->ldy, q->ldy, r0, r1);
                 else if (q->wb)
                     gemv_rows_bf16(q->wb, q->cols, q->x + b0 * q->ldx, q->ldx, nb, q->y + b0 * q->ldy, q->ldy,
                                    r0, r1);

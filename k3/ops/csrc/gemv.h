@@ -86,7 +86,7 @@ static inline float bf16_at(const uint16_t *p, int64_t j) {
     return f;
 }
 
-/* fp32 weights: dot, gemv_rows, gemv_rows_wide */
+/* fp32 weights: dot, gemv_rows */
 #define WT float
 #define LOADW(p) load16(p)
 #define WAT(p, j) ((p)[j])
@@ -97,7 +97,43 @@ static inline float bf16_at(const uint16_t *p, int64_t j) {
 #undef WAT
 #undef NAME
 
-/* bf16 weights: dot_bf16, gemv_rows_bf16, gemv_rows_wide_bf16 */
+/* rows o0..o1 of Y = W X^T as `gemv_rows`, for many inputs (a prompt chunk) with rows of at most
+ * GEMV_WIDE_MAX_I floats: eight weight rows (32 KB at 1,024 inputs, kept in L1) x two inputs per pass, so
+ * each input vector loaded from L2 serves eight products rather than four (k3-small's 1,024 x 1,024 and
+ * 512 x 1,024 products on two threads: 250-258 -> 256-277 GFLOP/s). Every output is still one 16-lane
+ * accumulation over i, hsum16, then the scalar tail: the same bits as `gemv_rows` gives it */
+static void gemv_rows_wide(const float *restrict W, int64_t I, const float *restrict X, int64_t ldx, int64_t B,
+                           float *restrict Y, int64_t ldy, int64_t o0, int64_t o1) {
+    int64_t o = o0;
+    for (; o + 8 <= o1; o += 8) {
+        const float *ws[8];
+        for (int r = 0; r < 8; r++) ws[r] = W + (o + r) * I;
+        for (int64_t b = 0; b < B; b += 2) {
+            const int64_t nb = B - b < 2 ? B - b : 2; /* a last single input stands in for its pair */
+            const float *xs[2] = {X + b * ldx, X + (b + nb - 1) * ldx};
+            lanes16 acc[16] = {{0}};
+            int64_t i = 0;
+            for (; i + 16 <= I; i += 16) {
+                const lanes16 x0 = load16(xs[0] + i), x1 = load16(xs[1] + i);
+                for (int r = 0; r < 8; r++) {
+                    const lanes16 w = load16(ws[r] + i);
+                    acc[2 * r] += w * x0;
+                    acc[2 * r + 1] += w * x1;
+                }
+            }
+            const lanes16 sums = hsum16x16(acc);
+            for (int r = 0; r < 8; r++)
+                for (int c = 0; c < nb; c++) {
+                    float sum = sums[2 * r + c];
+                    for (int64_t j = i; j < I; j++) sum += ws[r][j] * xs[c][j];
+                    Y[(b + c) * ldy + o + r] = sum;
+                }
+        }
+    }
+    if (o < o1) gemv_rows(W, I, X, ldx, B, Y, ldy, o, o1); /* the last 1-7 rows */
+}
+
+/* bf16 weights: dot_bf16, gemv_rows_bf16 */
 #define WT uint16_t
 #define LOADW(p) load16_bf16(p)
 #define WAT(p, j) bf16_at(p, j)
@@ -108,29 +144,37 @@ static inline float bf16_at(const uint16_t *p, int64_t j) {
 #undef WAT
 #undef NAME
 
-/* rows o0..o1 of Y = W X^T for a bf16 W and many inputs: eight rows at a time widened into an fp32 block
- * (48 KB at most, on the stack) that `gemv_rows_wide` then runs over every input, so each weight is
- * converted once per call rather than once per pair of inputs (the conversions share the ports of the
- * multiply-adds: k3-small's prompt rows 222 -> ~400 tok/s). The same bits as gemv_rows_bf16 */
-static void gemv_rows_wide_bf16_staged(const uint16_t *restrict W, int64_t I, const float *restrict X,
-                                       int64_t ldx, int64_t B, float *restrict Y, int64_t ldy, int64_t o0,
-                                       int64_t o1) {
+/* ---- many inputs (a prompt chunk) over bf16, Q8_0 or MXFP4 weights ------------------------------------
+ * Eight rows at a time are widened into an fp32 block (48 KB at most, on the stack) that `gemv_rows_wide`
+ * then runs over every input, so each weight is converted once per call rather than once per few inputs
+ * (the conversions share the ports of the multiply-adds: k3-small's bf16 prompt rows 222 -> ~400 tok/s).
+ * Every widening is exact and lays the row out as its own product reads it, so the sums are the bits of
+ * that type's gemv_rows. `widen(w, scales, row, I, out)` writes row `row` of the matrix as I floats. */
+typedef void (*widen_row_fn)(const void *w, const void *scales, int64_t row, int64_t I, float *out);
+
+static void gemv_rows_staged(widen_row_fn widen, const void *w, const void *scales, int64_t I,
+                             const float *restrict X, int64_t ldx, int64_t B, float *restrict Y, int64_t ldy,
+                             int64_t o0, int64_t o1) {
     float block[8 * GEMV_WIDE_MAX_I];
     for (int64_t o = o0; o < o1; o += 8) {
         const int64_t n = o1 - o < 8 ? o1 - o : 8;
-        for (int64_t r = 0; r < n; r++) {
-            int64_t i = 0;
-            for (; i + 16 <= I; i += 16) {
-                const lanes16 v = load16_bf16(W + (o + r) * I + i);
-                memcpy(block + r * I + i, &v, sizeof v);
-            }
-            for (; i < I; i++) block[r * I + i] = bf16_at(W + (o + r) * I, i);
-        }
+        for (int64_t r = 0; r < n; r++) widen(w, scales, o + r, I, block + r * I);
         if (n == 8)
             gemv_rows_wide(block, I, X, ldx, B, Y + o, ldy, 0, 8);
         else
             gemv_rows(block, I, X, ldx, B, Y + o, ldy, 0, n);
     }
+}
+
+static void widen_bf16(const void *w, const void *scales, int64_t row, int64_t I, float *out) {
+    (void)scales;
+    const uint16_t *p = (const uint16_t *)w + row * I;
+    int64_t i = 0;
+    for (; i + 16 <= I; i += 16) {
+        const lanes16 v = load16_bf16(p + i);
+        memcpy(out + i, &v, sizeof v);
+    }
+    for (; i < I; i++) out[i] = bf16_at(p, i);
 }
 
 /* ---- Q8_0 weights (llama.cpp's 8-bit blocks: int8 codes [O, I], one scale per 32 inputs [O, I/32]) ----
@@ -197,23 +241,13 @@ static void gemv_rows_q8(const int8_t *restrict Q, const float *restrict S, int6
         for (int64_t b = 0; b < B; b++) Y[b * ldy + o] = dot_q8(Q + o * I, S + o * nb, X + b * ldx, I);
 }
 
-/* many inputs: eight rows widened into an fp32 block, then gemv_rows_wide (the same bits) */
-static void gemv_rows_q8_wide(const int8_t *restrict Q, const float *restrict S, int64_t I,
-                              const float *restrict X, int64_t ldx, int64_t B, float *restrict Y, int64_t ldy,
-                              int64_t o0, int64_t o1) {
-    float block[8 * GEMV_WIDE_MAX_I];
-    const int64_t nb = I / 32;
-    for (int64_t o = o0; o < o1; o += 8) {
-        const int64_t n = o1 - o < 8 ? o1 - o : 8;
-        for (int64_t r = 0; r < n; r++)
-            for (int64_t i = 0; i < I; i += 16) {
-                const lanes16 v = load16_q8(Q + (o + r) * I + i, S[(o + r) * nb + i / 32]);
-                memcpy(block + r * I + i, &v, sizeof v);
-            }
-        if (n == 8)
-            gemv_rows_wide(block, I, X, ldx, B, Y + o, ldy, 0, 8);
-        else
-            gemv_rows(block, I, X, ldx, B, Y + o, ldy, 0, n);
+/* row `row` of a Q8_0 matrix (scales: its [O, I/32] block scales) as fp32, for gemv_rows_staged */
+static void widen_q8(const void *w, const void *scales, int64_t row, int64_t I, float *out) {
+    const int8_t *q = (const int8_t *)w + row * I;
+    const float *s = (const float *)scales + row * (I / 32);
+    for (int64_t i = 0; i < I; i += 16) {
+        const lanes16 v = load16_q8(q + i, s[i / 32]);
+        memcpy(out + i, &v, sizeof v);
     }
 }
 
@@ -291,32 +325,17 @@ static void gemv_rows_mx(const uint8_t *restrict packed, const uint8_t *restrict
     }
 }
 
-/* rows o0..o1 of Y = W X^T for an MXFP4 W and many inputs: eight rows at a time decoded (and scaled,
- * exactly) into an fp32 block laid out as the split input is, [lo 16, hi 16] per 32-block, that
- * `gemv_rows_wide` runs over every input: the sums of gemv_rows_mx, in its order, with each weight
- * decoded once per call rather than once per four inputs */
-static void gemv_rows_mx_wide(const uint8_t *restrict packed, const uint8_t *restrict scales, int64_t I,
-                              const float *restrict Xs, int64_t B, float *restrict Y, int64_t ldy, int64_t o0,
-                              int64_t o1) {
-    float block[8 * GEMV_WIDE_MAX_I];
-    const int64_t nb = I / 32;
-    for (int64_t o = o0; o < o1; o += 8) {
-        const int64_t n = o1 - o < 8 ? o1 - o : 8;
-        for (int64_t r = 0; r < n; r++) {
-            const uint8_t *q = packed + (o + r) * (I / 2), *sc = scales + (o + r) * nb;
-            for (int64_t k = 0; k < nb; k++) {
-                const v16i codes = bytes16(q + 16 * k);
-                const float s = e8m0(sc[k]);
-                const lanes16 lo = __builtin_shuffle(MX_E2M1, codes & 15) * s;
-                const lanes16 hi = __builtin_shuffle(MX_E2M1, codes >> 4) * s;
-                memcpy(block + r * I + 32 * k, &lo, sizeof lo);
-                memcpy(block + r * I + 32 * k + 16, &hi, sizeof hi);
-            }
-        }
-        if (n == 8)
-            gemv_rows_wide(block, I, Xs, I, B, Y + o, ldy, 0, 8);
-        else
-            gemv_rows(block, I, Xs, I, B, Y + o, ldy, 0, n);
+/* row `row` of an MXFP4 matrix (packed codes; scales: its E8M0 bytes) as fp32 laid out as the split input
+ * is, [lo 16, hi 16] per 32-block, each value scaled exactly: gemv_rows_mx's sums in its order */
+static void widen_mx(const void *w, const void *scales, int64_t row, int64_t I, float *out) {
+    const uint8_t *q = (const uint8_t *)w + row * (I / 2), *sc = (const uint8_t *)scales + row * (I / 32);
+    for (int64_t k = 0; k < I / 32; k++) {
+        const v16i codes = bytes16(q + 16 * k);
+        const float s = e8m0(sc[k]);
+        const lanes16 lo = __builtin_shuffle(MX_E2M1, codes & 15) * s;
+        const lanes16 hi = __builtin_shuffle(MX_E2M1, codes >> 4) * s;
+        memcpy(out + 32 * k, &lo, sizeof lo);
+        memcpy(out + 32 * k + 16, &hi, sizeof hi);
     }
 }
 
