@@ -133,7 +133,6 @@ def test_the_test_can_fail(case, alone):
     """The torch prefill path (deterministic off) differs from the native one in the last bits."""
     model, target, _ = case
     got = run(model, target, GREEDY, deterministic=False, max_prefill_chunk=96)
-    assert got[0] == alone[GREEDY][0] or got != alone[GREEDY]
     assert got[1] != alone[GREEDY][1]
 
 
