@@ -12,7 +12,8 @@ same thing after this call, so prefill -> decode and chunked prefill chain exact
 The math runs in fp32 (the weights are fp32 in the checkpoint); y is cast back to u's dtype and the
 state is kept in u's dtype (the model dtype).
 
-`causal_conv1d` (one native pass without autograd; else W shifted multiply-adds over the history-padded
+`causal_conv1d` (with a gradient and no history: `causal_conv1d_train`, native forward and backward;
+one native pass without autograd; else W shifted multiply-adds over the history-padded
 sequence, token-major; packed documents go through F.conv1d, separated by their own W-1 history columns
 so nothing crosses a boundary) and
 `causal_conv1d_update` (one decode step) are the fast paths; `causal_conv1d_reference` is the plain per-token
@@ -90,6 +91,10 @@ def causal_conv1d(
     -> (y [B, T, C], final_state [B or N, C, W-1]): the last W-1 pre-conv inputs of each sequence."""
     B, T, C = _check(u, weight, cu_seqlens)
     W = weight.shape[-1]
+    if initial_state is None:
+        out = causal_conv1d_train(u, weight, cu_seqlens)
+        if out is not None:
+            return out
     if cu_seqlens is None:
         out = _conv_silu_native(u, weight, initial_state)
         if out is not None:
@@ -133,6 +138,65 @@ def _conv_silu_native(u: torch.Tensor, weight: torch.Tensor, initial_state: torc
     y = torch.empty_like(uc)
     fn(uc.data_ptr(), None if hc is None else hc.data_ptr(), w.data_ptr(), y.data_ptr(), B, T, C, W)
     return y, conv_state_after(uc, hc, T, W)  # the final state
+
+
+_DOCS_ARGS = [native.PTR] * 4 + [native.I64] * 3  # k3_conv_silu_docs(u, w, first, y, T, C, W)
+# k3_conv_silu_docs_grad(u, w, first, dy, dpre, du, dw_part, T, C, W, threads)
+_DOCS_GRAD_ARGS = [native.PTR] * 7 + [native.I64] * 4
+
+
+class _ConvSiLUDocs(torch.autograd.Function):
+    """The short conv + SiLU over packed documents, forward and backward one native pass each
+    (`k3/ops/csrc/kda_pointwise.c`): u [T, C] fp32, weight [C, 1, W], first [T] int64 (the index of each
+    token's document start) -> y [T, C]. Saves u alone; the backward recomputes the pre-activation."""
+
+    @staticmethod
+    def forward(ctx, u, weight, first):
+        T, C = u.shape
+        W = weight.shape[-1]
+        w = weight[:, 0].t().contiguous()  # [W, C]: a tap's channels contiguous
+        y = torch.empty_like(u)
+        fn = native.function("kda_pointwise", "k3_conv_silu_docs", _DOCS_ARGS)
+        fn(u.data_ptr(), w.data_ptr(), first.data_ptr(), y.data_ptr(), T, C, W)
+        ctx.save_for_backward(u, w, first)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        u, w, first = ctx.saved_tensors
+        (T, C), W = u.shape, w.shape[0]
+        threads = max(1, torch.get_num_threads())
+        dy = dy.contiguous()
+        dpre, du = torch.empty_like(u), torch.empty_like(u)
+        dw_part = torch.zeros(threads, W, C)  # a team smaller than `threads` leaves rows untouched
+        fn = native.function("kda_pointwise", "k3_conv_silu_docs_grad", _DOCS_GRAD_ARGS)
+        args = (u, w, first, dy, dpre, du, dw_part)
+        fn(*(a.data_ptr() for a in args), T, C, W, threads)
+        return du, dw_part.sum(0).t()[:, None, :], None
+
+
+def causal_conv1d_train(
+    u: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """`causal_conv1d` without an initial state (training) through `_ConvSiLUDocs`, autograd included:
+    fp32 CPU inputs with a gradient to record, not while torch.compile traces; None otherwise or when the
+    kernel is not built (the caller takes the torch path). Same results to fp32 rounding."""
+    grad = torch.is_grad_enabled() and (u.requires_grad or weight.requires_grad)
+    if not grad or not native.fp32_cpu(u, weight) or torch.compiler.is_compiling():
+        return None
+    if native.function("kda_pointwise", "k3_conv_silu_docs_grad", _DOCS_GRAD_ARGS) is None:
+        return None
+    B, T, C = u.shape
+    W = weight.shape[-1]
+    bounds = cu_seqlens.long() if cu_seqlens is not None else torch.arange(0, B * T + 1, T)
+    lens = bounds[1:] - bounds[:-1]
+    first = torch.repeat_interleave(bounds[:-1], lens, output_size=B * T).contiguous()
+    y = _ConvSiLUDocs.apply(u.reshape(B * T, C).contiguous(), weight, first).view(B, T, C)
+    # the final state per sequence: its last W-1 inputs, zeros before its start (autograd-safe gathers)
+    idx = bounds[1:, None] - (W - 1) + torch.arange(W - 1)  # [N, W-1]
+    flat = u.reshape(B * T, C)
+    final = flat[idx.clamp(min=0)] * (idx >= bounds[:-1, None])[..., None].to(u.dtype)  # [N, W-1, C]
+    return y, final.transpose(1, 2)
 
 
 def causal_conv1d_update(

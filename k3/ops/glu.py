@@ -117,12 +117,14 @@ def _situ_compiled(gate, up, beta1, beta2) -> torch.Tensor | None:
 def situ_glu(gate: torch.Tensor, up: torch.Tensor, beta1: float = 4.0, beta2: float = 25.0) -> torch.Tensor:
     """SiTU-GLU: β₁·tanh(g/β₁)·σ(g) · β₂·tanh(u/β₂), in fp32, cast back to `gate.dtype`.
 
-    Takes `situ_glu_reference` when a gradient is needed. Without one: `situ_glu_fused` (to ~1e-6) while
+    With a gradient: `situ_glu_train` (native forward and backward) when it fits, else
+    `situ_glu_reference`. Without one: `situ_glu_fused` (to ~1e-6) while
     torch.compile traces the caller; else the native kernel when it is built (`situ_glu_native`, one C
     pass); else `situ_glu_fused` compiled on its own inside
     `fused_activations()`, or `situ_glu_inplace` (the reference's values bit for bit)."""
     if torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad):
-        return situ_glu_reference(gate, up, beta1, beta2)
+        out = situ_glu_train(gate, up, beta1, beta2)
+        return situ_glu_reference(gate, up, beta1, beta2) if out is None else out
     if torch.compiler.is_compiling():
         return situ_glu_fused(gate, up, beta1, beta2)
     out = situ_glu_native(gate, up, beta1, beta2)
@@ -155,6 +157,55 @@ def situ_glu_native(
     out = torch.empty_like(gate)
     fn(gate.data_ptr(), up.data_ptr(), out.data_ptr(), gate.numel(), float(beta1), float(beta2))
     return out
+
+
+_TEAM_ARGS = _SITU_ARGS  # k3_situ_glu_team: the same forward split over torch's threads
+# k3_situ_glu_backward(gate, up, dout, dgate, dup, n, b1, b2)
+_BACKWARD_ARGS = [native.PTR] * 5 + [native.I64, native.F32, native.F32]
+
+
+class _SituGLU(torch.autograd.Function):
+    """SiTU-GLU with native forward and backward passes (k3/ops/csrc/situ_glu.c): saves only gate and
+    up, and the backward recomputes the factors from them in one pass (the reference's autograd graph
+    keeps ~8 [T, I] intermediates and runs ~20 passes over them)."""
+
+    @staticmethod
+    def forward(ctx, gate, up, beta1: float, beta2: float):
+        fn = native.function("situ_glu", "k3_situ_glu_team", _TEAM_ARGS)
+        out = torch.empty_like(gate)
+        fn(gate.data_ptr(), up.data_ptr(), out.data_ptr(), gate.numel(), beta1, beta2)
+        ctx.save_for_backward(gate, up)
+        ctx.betas = (beta1, beta2)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        gate, up = ctx.saved_tensors
+        fn = native.function("situ_glu", "k3_situ_glu_backward", _BACKWARD_ARGS)
+        d = dout.contiguous()
+        dgate, dup = torch.empty_like(gate), torch.empty_like(up)
+        ptrs = (t.data_ptr() for t in (gate, up, d, dgate, dup))
+        fn(*ptrs, gate.numel(), *ctx.betas)
+        return dgate, dup, None, None
+
+
+def situ_glu_train(
+    gate: torch.Tensor, up: torch.Tensor, beta1: float = 4.0, beta2: float = 25.0
+) -> torch.Tensor | None:
+    """`situ_glu_reference` with autograd through one native pass each way (`_SituGLU`): fp32 contiguous
+    CPU tensors of one shape, not while torch.compile traces; None when they do not fit or the kernel
+    is not built (the caller takes the reference). Same values as `situ_glu_native`; gradients within
+    ~1e-6 relative of the reference's."""
+    fits = (
+        gate.shape == up.shape
+        and gate.is_contiguous()
+        and up.is_contiguous()
+        and native.fp32_cpu(gate, up)
+        and not torch.compiler.is_compiling()
+    )
+    if not fits or native.function("situ_glu", "k3_situ_glu_backward", _BACKWARD_ARGS) is None:
+        return None
+    return _SituGLU.apply(gate, up, float(beta1), float(beta2))
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from k3.ops.conv import causal_conv1d, causal_conv1d_reference, causal_conv1d_update
+from k3.ops.conv import causal_conv1d, causal_conv1d_reference, causal_conv1d_train, causal_conv1d_update
 from k3.ops.gate import kda_gate
 from k3.ops.gated_norm import gated_rms_norm, gated_rms_norm_reference
 from k3.ops.norm import rms_norm, rms_norm_reference
@@ -151,6 +151,36 @@ def test_conv_update_steps_equal_full_conv(dtype):
 
 def _prev_state(u, w, t):
     return causal_conv1d(u[:, :t], w)[1]
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize("packed", [True, False], ids=["docs", "rows"])
+def test_conv_train_path_equals_reference_fwd_bwd(packed, threads):
+    """The training path (native forward and backward over packed documents) against the per-token
+    reference: y, the final states and du, dw (the weight's gradient summed over a thread team), with
+    enough tokens to split over the team."""
+    torch.manual_seed(1)
+    C, W = 24, 4
+    lens = [1, 3, 70, 2, 130, 50] if packed else [128, 128]
+    u = torch.randn(1 if packed else 2, sum(lens) if packed else 128, C, requires_grad=True)
+    w = torch.randn(C, 1, W, requires_grad=True)
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()]) if packed else None
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = causal_conv1d_train(u, w, cu)
+        assert got is not None, "the native training path did not take fp32 inputs with a gradient"
+        ref = causal_conv1d_reference(u, w, None, cu)
+        dy, df = torch.randn_like(ref[0]), torch.randn_like(ref[1])
+        grads = [torch.autograd.grad((y * dy).sum() + (f * df).sum(), (u, w)) for y, f in (got, ref)]
+    finally:
+        torch.set_num_threads(before)
+    assert_close("y", ref[0], got[0], 1e-6)
+    assert_close("final", ref[1], got[1], 0)
+    for name, g, g_r in zip(("du", "dw"), *grads, strict=True):
+        assert_close(name, g_r, g, 1e-5)
+    with torch.no_grad():
+        assert causal_conv1d_train(u, w, cu) is None  # no gradient: the inference kernels' job
 
 
 def test_conv_bad_inputs():

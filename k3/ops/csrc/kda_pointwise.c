@@ -10,6 +10,10 @@
 #include <math.h>
 #include <stdint.h>
 
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
 #include "exp_poly.h"
 #include "ftz.h"
 
@@ -66,5 +70,87 @@ void k3_kda_safe_gate(const float *z, const float *A_log, const float *dt_bias, 
             for (int64_t c = 0; c < K; c++) gr[c] = lower_bound * sigmoid_poly(a * (zr[c] + bias[c]));
         }
     ftz_end(mode);
+    }
+}
+
+/* The short conv of packed documents for training (k3/ops/conv.py, `_ConvSiLUDocs`): u [T, C] holds the
+ * documents back to back and first[t] is the index of the first token of t's document, so a tap that
+ * would read before it reads zero instead (no history: training rows start empty).
+ *
+ * k3_conv_silu_docs:      y[t, c] = SiLU(pre[t, c]),  pre[t, c] = sum_{j: p >= first[t]} w[j, c] u[p, c],
+ *                         p = t - W + 1 + j
+ * k3_conv_silu_docs_grad: from dy [T, C]: dpre = dy SiLU'(pre) (pre recomputed; scratch [T, C]), then
+ *                         du[t, c] = sum_j w[j, c] dpre[t + W - 1 - j, c] over the outputs of t's document,
+ *                         dw[j, c] = sum_t dpre[t, c] u[t - W + 1 + j, c] over taps inside the document;
+ *                         dw is summed per thread into dw_part [threads, W, C] (the caller adds the rows).
+ */
+static inline void conv_pre_docs(const float *restrict u, const float *restrict w, int64_t first, int64_t t,
+                                 int64_t C, int64_t W, float *restrict out) {
+    for (int64_t c = 0; c < C; c++) out[c] = 0.0f;
+    for (int64_t j = 0; j < W; j++) {
+        const int64_t p = t - W + 1 + j;
+        if (p < first) continue;
+        const float *restrict xj = u + p * C, *restrict wj = w + j * C;
+        for (int64_t c = 0; c < C; c++) out[c] += wj[c] * xj[c];
+    }
+}
+
+void k3_conv_silu_docs(const float *u, const float *w, const int64_t *first, float *y, int64_t T, int64_t C,
+                       int64_t W) {
+#pragma omp parallel if (T >= MIN_PARALLEL_ROWS)
+    {
+        const unsigned mode = ftz_begin();
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < T; t++) {
+            float *restrict out = y + t * C;
+            conv_pre_docs(u, w, first[t], t, C, W, out);
+            for (int64_t c = 0; c < C; c++) out[c] = out[c] * sigmoid_poly(out[c]);
+        }
+        ftz_end(mode);
+    }
+}
+
+void k3_conv_silu_docs_grad(const float *u, const float *w, const int64_t *first, const float *dy, float *dpre,
+                            float *du, float *dw_part, int64_t T, int64_t C, int64_t W, int64_t threads) {
+#pragma omp parallel num_threads(threads) if (T >= MIN_PARALLEL_ROWS && threads > 1)
+    {
+        const unsigned mode = ftz_begin();
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < T; t++) {
+            float *restrict d = dpre + t * C;
+            const float *restrict g = dy + t * C;
+            conv_pre_docs(u, w, first[t], t, C, W, d); /* pre, then overwritten by its gradient */
+            for (int64_t c = 0; c < C; c++) {
+                const float s = sigmoid_poly(d[c]);
+                d[c] = g[c] * (s + d[c] * s * (1.0f - s));
+            }
+        }
+        /* (the implicit barrier: every dpre row is written before any is read) */
+        int me = 0;
+#ifdef _OPENMP
+        me = omp_get_thread_num();
+#endif
+        float *restrict dw = dw_part + me * W * C;
+        for (int64_t i = 0; i < W * C; i++) dw[i] = 0.0f;
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < T; t++) {
+            float *restrict out = du + t * C;
+            for (int64_t c = 0; c < C; c++) out[c] = 0.0f;
+            for (int64_t j = 0; j < W; j++) {
+                const int64_t q = t + W - 1 - j; /* the output that reads t through tap j */
+                if (q >= T || first[q] != first[t]) continue;
+                const float *restrict dq = dpre + q * C, *restrict wj = w + j * C;
+                for (int64_t c = 0; c < C; c++) out[c] += wj[c] * dq[c];
+            }
+            const float *restrict dt = dpre + t * C;
+            for (int64_t j = 0; j < W; j++) {
+                const int64_t p = t - W + 1 + j;
+                if (p < first[t]) continue;
+                const float *restrict xp = u + p * C;
+                float *restrict dwj = dw + j * C;
+                for (int64_t c = 0; c < C; c++) dwj[c] += dt[c] * xp[c];
+            }
+        }
+        ftz_end(mode);
     }
 }
