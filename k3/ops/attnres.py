@@ -7,9 +7,10 @@ sum), a pseudo-query w [D] and a key-norm weight gamma [D], computed in fp32:
     alpha = softmax_i(s)
     out = sum_i alpha_i * v_i        (the mixture is over the RAW sources; cast back to the input dtype)
 
-`attn_res_reference` is the plain per-source reference; `attn_res` the fast path (without autograd on fp32
-CPU tensors one native pass, `attn_res_native`; else stacked for small sources, streamed source by source
-for large ones). Same signature; tests compare them forward and backward.
+`attn_res_reference` is the plain per-source reference; `attn_res` the fast path (on fp32 CPU tensors one
+native pass: `attn_res_train` with a gradient, forward and backward, `attn_res_native` without; else
+stacked for small sources, streamed source by source for large ones). Same signature; tests compare them
+forward and backward.
 """
 
 import torch
@@ -50,6 +51,9 @@ def attn_res(
     if len(sources) == 1:
         return sources[0]
     qk = (norm_weight.float() * query.float()).reshape(-1)
+    out = attn_res_train(sources, qk, eps)
+    if out is not None:
+        return out
     out = attn_res_native(sources, qk, eps)
     if out is not None:
         return out
@@ -93,3 +97,58 @@ def attn_res_native(sources: list[torch.Tensor], qk: torch.Tensor, eps: float) -
     D = s0.shape[-1]
     fn(ptrs.data_ptr(), len(sources), s0.numel() // max(D, 1), D, qk.data_ptr(), eps, out.data_ptr())
     return out
+
+
+# k3_attn_res_grad(sources, n, rows, D, qk, eps, dout, dsrc, dqk_part, threads)
+_GRAD_ARGS = [native.PTR, native.I64, native.I64, native.I64, native.PTR, native.F32, native.PTR, native.PTR]
+_GRAD_ARGS += [native.PTR, native.I64]
+
+
+class _AttnRes(torch.autograd.Function):
+    """The mixture with native forward and backward passes (`k3/ops/csrc/attn_res.c`): qk [D], n sources
+    [..., D] -> [..., D]. Saves the sources (the caller keeps them alive anyway) and recomputes the scores
+    in the backward, so no [n, ..., D] stack or per-source intermediate is stored."""
+
+    @staticmethod
+    def forward(ctx, qk, eps, *sources):
+        fn = native.function("attn_res", "k3_attn_res", _NATIVE_ARGS)
+        s0, D = sources[0], qk.shape[0]
+        out = torch.empty_like(s0)
+        ptrs = torch.tensor([v.data_ptr() for v in sources], dtype=torch.int64)
+        fn(ptrs.data_ptr(), len(sources), s0.numel() // D, D, qk.data_ptr(), eps, out.data_ptr())
+        ctx.save_for_backward(qk, *sources)
+        ctx.eps = eps
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        qk, *sources = ctx.saved_tensors
+        fn = native.function("attn_res", "k3_attn_res_grad", _GRAD_ARGS)
+        D, threads = qk.shape[0], max(1, torch.get_num_threads())
+        dout = dout.contiguous()
+        grads = [torch.empty_like(v) for v in sources]
+        dqk = torch.zeros(threads, D)  # a team smaller than `threads` leaves rows untouched
+        src = torch.tensor([v.data_ptr() for v in sources], dtype=torch.int64)
+        dst = torch.tensor([v.data_ptr() for v in grads], dtype=torch.int64)
+        rows = sources[0].numel() // D
+        fn(src.data_ptr(), len(sources), rows, D, qk.data_ptr(), ctx.eps, dout.data_ptr(), dst.data_ptr(),
+           dqk.data_ptr(), threads)  # fmt: skip
+        return dqk.sum(0), None, *grads
+
+
+def attn_res_train(sources: list[torch.Tensor], qk: torch.Tensor, eps: float) -> torch.Tensor | None:
+    """`attn_res` with autograd through one native pass each way (`_AttnRes`): contiguous fp32 CPU
+    sources of one shape with a gradient to record (not while torch.compile traces); qk [D] fp32 ->
+    [..., D]; None when they do not fit or the kernel is not built (the caller takes a torch path)."""
+    grad = torch.is_grad_enabled() and (qk.requires_grad or any(v.requires_grad for v in sources))
+    s0 = sources[0]
+    fits = (
+        grad
+        and len(sources) <= NATIVE_MAX_SOURCES
+        and all(v.shape == s0.shape and v.is_contiguous() for v in sources)
+        and native.fp32_cpu(qk, *sources)
+        and not torch.compiler.is_compiling()
+    )
+    if not fits or native.function("attn_res", "k3_attn_res_grad", _GRAD_ARGS) is None:
+        return None
+    return _AttnRes.apply(qk.contiguous(), float(eps), *sources)

@@ -4,8 +4,9 @@
 
 One weight [V] shared by all heads. The whole expression is computed in fp32 (the weight is fp32 in the
 checkpoint) and cast back to o's dtype once. `gated_rms_norm_reference` is the plain torch form;
-`gated_rms_norm` the fast path with the same signature and result (to fp32 rounding): without autograd
-on fp32 CPU tensors one native pass per row (`k3/ops/csrc/rms_norm.c`), else the reference. The torch
+`gated_rms_norm` the fast path with the same signature and result (to fp32 rounding): on fp32 CPU
+tensors one native pass per row (`k3/ops/csrc/rms_norm.c`; with a gradient `k3.ops.norm.rms_norm_train`,
+a native backward too), else the reference. The torch
 form's eight passes over o run from memory once it outgrows L2 (k3-small prefill, [8, 256, 8, 128]:
 ~11 ms per layer in the engine).
 """
@@ -13,6 +14,7 @@ form's eight passes over o run from memory once it outgrows L2 (k3-small prefill
 import torch
 
 from k3.ops import native
+from k3.ops.norm import rms_norm_train
 
 # k3_gated_rms_norm(o, g, w, y, N, V, eps)
 _ARGS = [native.PTR] * 4 + [native.I64] * 2 + [native.F32]
@@ -28,6 +30,9 @@ def _check(o: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor) -> None:
 def gated_rms_norm(o: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """o [..., V] (e.g. [B, T, H, V]), gate like o, weight [V] -> [..., V] in o's dtype."""
     _check(o, gate, weight)
+    out = rms_norm_train(o, gate, weight, eps)
+    if out is not None:
+        return out
     fn = native.kernel_function("rms_norm", "k3_gated_rms_norm", _ARGS, o, gate, weight)
     if fn is None or o.numel() == 0:
         return gated_rms_norm_reference(o, gate, weight, eps)

@@ -96,6 +96,19 @@ def release_thread_pool() -> bool:
     return fn() == 0
 
 
+def flush_denormals_team(on: bool) -> bool:
+    """Flush denormals (or stop) on every thread of the calling thread's OpenMP pool, which torch's
+    parallel ops and MKL's products run on (torch.set_flush_denormal changes the calling thread only).
+    False without the kernel library (the workers then keep their mode)."""
+    lib = library("omp_pool")
+    if lib is None:
+        return False
+    fn = lib.k3_flush_denormals_team
+    fn.argtypes, fn.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    fn(1 if on else 0, max(1, torch.get_num_threads()))
+    return True
+
+
 _SGEMM: list = []  # [address of torch's BLAS sgemm_ or None], looked up once
 
 

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from k3.ops.conv import causal_conv1d, causal_conv1d_reference, causal_conv1d_train, causal_conv1d_update
 from k3.ops.gate import kda_gate
 from k3.ops.gated_norm import gated_rms_norm, gated_rms_norm_reference
-from k3.ops.norm import rms_norm, rms_norm_reference
+from k3.ops.norm import rms_norm, rms_norm_reference, rms_norm_train
 
 
 def assert_close(name: str, ref: torch.Tensor, got: torch.Tensor, rtol: float) -> None:
@@ -215,7 +215,7 @@ def test_native_norms_equal_the_references(shape, threads):
     """Without autograd on fp32 both norms run as one native pass per row (k3/ops/csrc/rms_norm.c): each
     equals its torch reference to fp32 rounding, for rows not a multiple of 8, calls large enough to split
     their rows over a team (the same bits on 1 and 3 threads), no weight, a strided input, and large or
-    tiny magnitudes; with autograd they are the reference, gradients included."""
+    tiny magnitudes; with autograd (the native training path) gradients match the reference's."""
     from k3.ops import native
 
     if native.library("rms_norm") is None:
@@ -252,7 +252,7 @@ def test_native_norms_equal_the_references(shape, threads):
         ga = torch.autograd.grad(fast(xg, wg).square().sum(), [xg, wg])
         gb = torch.autograd.grad(ref(xg, wg).square().sum(), [xg, wg])
         for a, b in zip(ga, gb, strict=True):
-            assert torch.equal(a, b)
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * b.abs().max().item())
 
 
 # ---- native passes (k3/ops/csrc/kda_pointwise.c) --------------------------------------------------------
@@ -284,3 +284,38 @@ def test_native_pointwise_equal_the_torch_paths(monkeypatch, B, T, C, W, with_st
         ref = (*causal_conv1d(u, w, s), kda_gate(z, A_log, dt_bias, -5.0))
     for name, a, b in zip(("conv y", "conv final state", "gate"), fast, ref, strict=True):
         assert_close(name, b, a, 0 if name == "conv final state" else 1e-6)
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize("kind", ["weight", "no-weight", "gated"])
+def test_norm_train_path_matches_float64_reference_fwd_bwd(kind, threads):
+    """The training path of both norms (native forward and backward, fp32 with a gradient) against the
+    references in float64: values and the gradients of x, the gate and the weight (summed over rows by a
+    thread team), on rows of very different scales and D not a multiple of 8."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(70, 3, 300, generator=g) * torch.logspace(-2, 2, 70)[:, None, None]
+    gate = torch.randn(x.shape, generator=g) * 4 if kind == "gated" else None
+    w = None if kind == "no-weight" else torch.randn(300, generator=g)
+    leaves = [t.requires_grad_() for t in (x, gate, w) if t is not None]
+    dy = torch.randn(x.shape, generator=g)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = rms_norm_train(x, gate, w, 1e-5)
+        if got is None:
+            pytest.skip("no C compiler: the native kernel cannot be built")
+        fast = gated_rms_norm(x, gate, w, 1e-5) if kind == "gated" else rms_norm(x, w, 1e-5)
+        assert torch.equal(fast, got)  # what the fast paths take with a gradient
+        got_g = torch.autograd.grad(got, leaves, dy)
+    finally:
+        torch.set_num_threads(before)
+    d = [t.detach().double().requires_grad_() for t in leaves]
+    ref = (
+        gated_rms_norm_reference(*d, 1e-5)
+        if kind == "gated"
+        else rms_norm_reference(d[0], d[1] if w is not None else None, 1e-5)
+    )
+    ref_g = torch.autograd.grad(ref, d, dy.double())
+    assert_close("y", ref, got, 1e-6)
+    for name, r, a in zip(("dx", "dgate" if kind == "gated" else "dw", "dw"), ref_g, got_g, strict=False):
+        assert_close(name, r, a, 1e-5)

@@ -11,6 +11,9 @@
  */
 #include <math.h>
 #include <stdint.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 #include "lanes.h"
 
@@ -62,6 +65,59 @@ void k3_attn_res(const int64_t *sources, int64_t n, int64_t rows, int64_t D, con
             const float a = score[i] / total;
             const float *restrict v = (const float *)(intptr_t)sources[i] + t * D;
             for (int64_t c = 0; c < D; c++) o[c] += a * v[c];
+        }
+    }
+}
+
+/* The mixture's gradients for training (k3/ops/attnres.py, `_AttnRes`), recomputing each row's scores:
+ * with r_i = 1 / sqrt(mean(v_i^2) + eps), d_i = v_i . qk, s_i = d_i r_i, a = softmax(s) and g = dout_t,
+ *   e_i   = g . v_i,   ds_i = a_i (e_i - sum_j a_j e_j)
+ *   dv_i  = a_i g + ds_i (r_i qk - d_i r_i^3 v_i / D)
+ *   dqk  += sum_i ds_i r_i v_i                     (summed per thread into dqk_part [threads, D])
+ * dsrc holds the n output addresses ([rows, D] each). */
+void k3_attn_res_grad(const int64_t *sources, int64_t n, int64_t rows, int64_t D, const float *qk, float eps,
+                      const float *dout, const int64_t *dsrc, float *dqk_part, int64_t threads) {
+#pragma omp parallel num_threads(threads) if (n * rows * D >= MIN_PARALLEL_ELEMENTS && threads > 1)
+    {
+        int me = 0;
+#ifdef _OPENMP
+        me = omp_get_thread_num();
+#endif
+        float *restrict dqk = dqk_part + me * D;
+        for (int64_t c = 0; c < D; c++) dqk[c] = 0.0f;
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < rows; t++) {
+            float score[MAX_SOURCES], r[MAX_SOURCES], d[MAX_SOURCES], e[MAX_SOURCES], top = -INFINITY;
+            const float *restrict g = dout + t * D;
+            for (int64_t i = 0; i < n; i++) {
+                const float *v = (const float *)(intptr_t)sources[i] + t * D;
+                float sq, ge;
+                dot_and_square(v, qk, D, &d[i], &sq);
+                dot_and_square(v, g, D, &ge, &sq);
+                e[i] = ge;
+                r[i] = 1.0f / sqrtf(sq / (float)D + eps);
+                score[i] = d[i] * r[i];
+                top = score[i] > top ? score[i] : top;
+            }
+            float total = 0.0f, mean_e = 0.0f;
+            for (int64_t i = 0; i < n; i++) {
+                score[i] = expf(score[i] - top);
+                total += score[i];
+            }
+            for (int64_t i = 0; i < n; i++) {
+                score[i] /= total; /* a_i */
+                mean_e += score[i] * e[i];
+            }
+            for (int64_t i = 0; i < n; i++) {
+                const float a = score[i], ds = a * (e[i] - mean_e);
+                const float kq = ds * r[i], kv = -ds * d[i] * r[i] * r[i] * r[i] / (float)D;
+                const float *restrict v = (const float *)(intptr_t)sources[i] + t * D;
+                float *restrict dv = (float *)(intptr_t)dsrc[i] + t * D;
+                for (int64_t c = 0; c < D; c++) {
+                    dv[c] = a * g[c] + kq * qk[c] + kv * v[c];
+                    dqk[c] += kq * v[c];
+                }
+            }
         }
     }
 }

@@ -14,3 +14,27 @@
 #include <omp.h>
 
 int k3_release_thread_pool(void) { return omp_pause_resource_all(omp_pause_soft); }
+
+/* Flush denormals to zero (on != 0) or stop flushing (on == 0) on every thread of the calling thread's
+ * OpenMP pool, `threads` of them, the calling thread included; returns how many threads changed mode.
+ * torch.set_flush_denormal sets the calling thread's MXCSR alone, while torch's parallel ops and MKL's
+ * batched products run on this pool too: their workers kept computing denormal operands at ~150 cycles
+ * a microcode assist each (k3.ops.kda.scratch.denormals_flushed). */
+int k3_flush_denormals_team(int on, int threads) {
+    int changed = 0;
+#if defined(__x86_64__) || defined(__i386__)
+#pragma omp parallel num_threads(threads) reduction(+ : changed)
+    {
+        const unsigned mode = __builtin_ia32_stmxcsr();
+        const unsigned want = on ? (mode | 0x8040u) : (mode & ~0x8040u);
+        if (want != mode) {
+            __builtin_ia32_ldmxcsr(want);
+            changed = 1;
+        }
+    }
+#else
+    (void)on;
+    (void)threads;
+#endif
+    return changed;
+}

@@ -11,6 +11,9 @@
  */
 #include <math.h>
 #include <stdint.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 #include "exp_poly.h"
 #include "ftz.h"
@@ -48,6 +51,45 @@ void k3_gated_rms_norm(const float *o, const float *g, const float *w, float *y,
             float *restrict yr = y + n * V;
             const float r = 1.0f / sqrtf(sum_squares(orow, V) / (float)V + eps);
             for (int64_t c = 0; c < V; c++) yr[c] = ((orow[c] * r) * w[c]) * sigmoid_poly(grow[c]);
+        }
+        ftz_end(mode);
+    }
+}
+
+/* The gradients of both norms for training (k3/ops/norm.py, gated_norm.py: `_RMSNormFn`), recomputing
+ * each row's r = 1 / sqrt(mean(x^2) + eps) and n = x r. With s = sigmoid(g) (1 without a gate, g NULL)
+ * and w = 1 without a weight (w NULL):
+ *   y = n w s;   h = dy s;   dn = h w;   dx = r (dn - n mean(dn n))
+ *   dw += h n (summed per thread into dw_part [threads, D]; NULL: not wanted);   dg = dy n w s (1 - s) */
+void k3_rms_norm_grad(const float *x, const float *g, const float *w, const float *dy, float *dx, float *dg,
+                      float *dw_part, int64_t N, int64_t D, float eps, int64_t threads) {
+#pragma omp parallel num_threads(threads) if (N * D >= MIN_PARALLEL_ELEMENTS && threads > 1)
+    {
+        const unsigned mode = ftz_begin();
+        int me = 0;
+#ifdef _OPENMP
+        me = omp_get_thread_num();
+#endif
+        float *restrict dw = dw_part ? dw_part + me * D : NULL;
+        if (dw)
+            for (int64_t c = 0; c < D; c++) dw[c] = 0.0f;
+#pragma omp for schedule(static)
+        for (int64_t n = 0; n < N; n++) {
+            const float *restrict xr = x + n * D, *restrict dyr = dy + n * D;
+            const float *restrict gr = g ? g + n * D : NULL;
+            float *restrict dxr = dx + n * D;
+            const float r = 1.0f / sqrtf(sum_squares(xr, D) / (float)D + eps);
+            float dot = 0.0f;
+            for (int64_t c = 0; c < D; c++) { /* dx holds dn for now */
+                const float s = gr ? sigmoid_poly(gr[c]) : 1.0f;
+                const float h = dyr[c] * s, dn = w ? h * w[c] : h, nc = xr[c] * r;
+                dxr[c] = dn;
+                dot += dn * nc;
+                if (dw) dw[c] += h * nc;
+                if (gr) dg[n * D + c] = dyr[c] * nc * (w ? w[c] : 1.0f) * s * (1.0f - s);
+            }
+            const float mean = dot / (float)D;
+            for (int64_t c = 0; c < D; c++) dxr[c] = r * (dxr[c] - xr[c] * r * mean);
         }
         ftz_end(mode);
     }
