@@ -51,3 +51,32 @@ def test_training_forward_uses_it_and_matches_the_model(make_tc):
     torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-6)
     for a, b in zip(grads, ref_grads, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-7)
+
+
+def test_native_softmax_gradient_equals_the_torch_ops(monkeypatch):
+    """The chunk's softmax, loss and dlogits as one native call (csrc/cross_entropy.c) against the torch
+    ops beside it: V not a multiple of 16, logits from tiny to large (a row's max far above the rest),
+    ignored rows, on 1 and 3 threads."""
+    from k3.train import loss as loss_mod
+
+    if loss_mod._xent_kernel(torch.zeros(1), torch.zeros(1, dtype=torch.long)) is None:
+        pytest.skip("no C compiler: the native kernel cannot be built")
+    g = torch.Generator().manual_seed(1)
+    h = (torch.randn(257, 40, generator=g) * torch.logspace(-2, 1.5, 257)[:, None]).requires_grad_()
+    w = torch.randn(1003, 40, generator=g).requires_grad_()
+    labels = torch.randint(0, 1003, (257,), generator=g)
+    labels[3::7] = -100
+    results = {}
+    before = torch.get_num_threads()
+    try:
+        for name, threads in (("native-1", 1), ("native-3", 3), ("torch", 1)):
+            torch.set_num_threads(threads)
+            if name == "torch":
+                monkeypatch.setattr(loss_mod, "_xent_kernel", lambda h, labels: None)
+            out = chunked_linear_cross_entropy(h, w, labels, 64)
+            results[name] = (out, *torch.autograd.grad(out, (h, w)))
+    finally:
+        torch.set_num_threads(before)
+    for name in ("native-1", "native-3"):
+        for a, b in zip(results[name], results["torch"], strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=2e-5 * b.abs().max().item())
