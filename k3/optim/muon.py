@@ -123,6 +123,51 @@ def orthogonalize(update: Tensor, head_split: HeadSplit = None, **ns_kwargs) -> 
     return newton_schulz(blocks, **ns_kwargs).transpose(-3, -2).reshape(update.shape)
 
 
+def orthogonalize_many(items: list[tuple[Tensor, HeadSplit, dict]]) -> list[Tensor]:
+    """`orthogonalize(update, head_split, **ns_kwargs)` for each (update, head_split, ns_kwargs) item,
+    with every block of one shape and one set of Newton-Schulz settings across all items stacked into a
+    single batched call: a model's few dozen small matrices then cost a few iterations of bmm instead of
+    a few dozen (~1 ms each on a CPU, almost all of it per-call overhead). Same maths per block."""
+    blocks, keys = [], []
+    for update, head_split, ns_kwargs in items:
+        check_head_split(update.shape, head_split)
+        b = _blocks(update, head_split)  # [n, r, c]
+        blocks.append(b)
+        keys.append((tuple(b.shape[1:]), update.dtype, tuple(sorted(ns_kwargs.items()))))
+    done: list[Tensor | None] = [None] * len(items)
+    for key in dict.fromkeys(keys):
+        idx = [i for i, k in enumerate(keys) if k == key]
+        stacked = torch.cat([blocks[i] for i in idx]) if len(idx) > 1 else blocks[idx[0]]
+        out = newton_schulz(stacked, **items[idx[0]][2]).split([blocks[i].shape[0] for i in idx])
+        for i, o in zip(idx, out, strict=True):
+            done[i] = _unblock(o, items[i][0].shape, items[i][1])
+    return done
+
+
+def _blocks(update: Tensor, head_split: HeadSplit) -> Tensor:
+    """update [..., rows, cols] -> its Newton-Schulz matrices [n, r, c] (per head block when split)."""
+    *lead, rows, cols = update.shape
+    if head_split is None:
+        return update.reshape(-1, rows, cols)
+    axis, num_heads = head_split
+    if axis == 0:
+        return update.reshape(-1, rows // num_heads, cols)
+    return (
+        update.reshape(*lead, rows, num_heads, cols // num_heads)
+        .transpose(-3, -2)
+        .reshape(-1, rows, cols // num_heads)
+    )
+
+
+def _unblock(blocks: Tensor, shape: torch.Size, head_split: HeadSplit) -> Tensor:
+    """The inverse of `_blocks`: [n, r, c] -> shape."""
+    if head_split is None or head_split[0] == 0:
+        return blocks.reshape(shape)
+    *lead, rows, cols = shape
+    num_heads = head_split[1]
+    return blocks.reshape(*lead, num_heads, rows, cols // num_heads).transpose(-3, -2).reshape(shape)
+
+
 def update_scale(shape: torch.Size, head_split: HeadSplit = None, rms_scale_by: str = "block") -> float:
     """RMS-matching factor 0.2 * sqrt(max(rows, cols)) of the block ("block") or whole matrix ("matrix").
 
@@ -200,25 +245,46 @@ class Muon(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        batched = type(self)._orthogonalize is Muon._orthogonalize  # (a subclass may shard its tensors)
+        pending = []
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is not None:
-                    self._step_param(p, group)
+                    if batched:
+                        pending.append((p, group, self._momentum(p, group)))
+                    else:
+                        self._step_param(p, group)
+        if pending:
+            updates = orthogonalize_many([(u, *self._ns_args(g)) for _, g, u in pending])
+            for (p, group, _), update in zip(pending, updates, strict=True):
+                self._apply(p, group, update)
         return loss
 
-    def _step_param(self, p: Tensor, group: dict) -> None:
+    def _momentum(self, p: Tensor, group: dict) -> Tensor:
+        """Advance p's momentum and return the matrix to orthogonalise."""
         if p.grad.is_sparse:
             raise ValueError("params: Muon does not support sparse gradients")
         state = self.state[p]
         if "momentum_buffer" not in state:
             state["momentum_buffer"] = torch.zeros_like(p, dtype=torch.float32)
-        update = muon_update(p.grad, state["momentum_buffer"], group["momentum"], group["nesterov"])
+        return muon_update(p.grad, state["momentum_buffer"], group["momentum"], group["nesterov"])
+
+    @staticmethod
+    def _ns_args(group: dict) -> tuple[HeadSplit, dict]:
         head_split = group["head_split"] if group["per_head"] else None
-        ns_kwargs = dict(steps=group["ns_steps"], eps=group["eps"], dtype=group["ns_dtype"])
-        update = self._orthogonalize(p, update, head_split, ns_kwargs)
+        return head_split, dict(steps=group["ns_steps"], eps=group["eps"], dtype=group["ns_dtype"])
+
+    def _apply(self, p: Tensor, group: dict, update: Tensor) -> None:
+        head_split = group["head_split"] if group["per_head"] else None
         scale = update_scale(p.shape, head_split, group["rms_scale_by"])
         p.mul_(1 - group["lr"] * group["weight_decay"])
         p.add_(update, alpha=-group["lr"] * scale)
+
+    def _step_param(self, p: Tensor, group: dict) -> None:
+        """One parameter's step through `_orthogonalize` (the path of subclasses that override it)."""
+        update = self._momentum(p, group)
+        head_split, ns_kwargs = self._ns_args(group)
+        self._apply(p, group, self._orthogonalize(p, update, head_split, ns_kwargs))
 
     def _orthogonalize(self, p: Tensor, update: Tensor, head_split, ns_kwargs: dict) -> Tensor:
         """The orthogonalized update of `p`; the distributed optimizer overrides this (sharded tensors)."""
