@@ -145,7 +145,7 @@ def experts_grouped(z, weights, indices, w1, w2, w3, act: GLUFn) -> torch.Tensor
     order = torch.argsort(flat, stable=True)  # slot ids grouped by expert
     token_of_slot = order // k
     counts = torch.bincount(flat, minlength=w1.shape[0]).tolist()
-    x_sorted = z[token_of_slot]  # [T*k, Dl]
+    x_sorted = z.index_select(0, token_of_slot)  # [T*k, Dl]; its backward is an index_add, not an index_put
     outs = [
         expert_mlp(x, w1[e], w2[e], w3[e], act)
         for e, x in enumerate(torch.split(x_sorted, counts))
@@ -153,7 +153,7 @@ def experts_grouped(z, weights, indices, w1, w2, w3, act: GLUFn) -> torch.Tensor
     ]
     if not outs:
         return torch.zeros_like(z)
-    y = torch.cat(outs).float() * weights.reshape(-1)[order].float()[:, None]
+    y = torch.cat(outs).float() * weights.reshape(-1).index_select(0, order).float()[:, None]
     out = torch.zeros(z.shape, dtype=torch.float32, device=z.device).index_add_(0, token_of_slot, y)
     return out.to(z.dtype)
 

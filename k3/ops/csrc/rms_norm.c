@@ -61,6 +61,30 @@ void k3_gated_rms_norm(const float *o, const float *g, const float *w, float *y,
  * and w = 1 without a weight (w NULL):
  *   y = n w s;   h = dy s;   dn = h w;   dx = r (dn - n mean(dn n))
  *   dw += h n (summed per thread into dw_part [threads, D]; NULL: not wanted);   dg = dy n w s (1 - s) */
+/* one row; `gated` and `weighted` are constants at each call below, so every loop is branch-free and
+ * vectorises (the flags resolved per element kept the loop scalar) */
+static inline void rms_norm_grad_row(const float *restrict xr, const float *restrict gr, const float *restrict w,
+                                     const float *restrict dyr, float *restrict dxr, float *restrict dgr,
+                                     float *restrict dw, int64_t D, float eps, int gated, int weighted) {
+    const float r = 1.0f / sqrtf(sum_squares(xr, D) / (float)D + eps);
+    float dot = 0.0f;
+    if (gated) /* dg first, while dx holds sigma(g) */
+        for (int64_t c = 0; c < D; c++) {
+            const float s = sigmoid_poly(gr[c]), nc = xr[c] * r;
+            dxr[c] = s;
+            dgr[c] = dyr[c] * nc * (weighted ? w[c] : 1.0f) * s * (1.0f - s);
+        }
+    for (int64_t c = 0; c < D; c++) { /* dx holds dn = dy s w for now */
+        const float h = gated ? dyr[c] * dxr[c] : dyr[c], nc = xr[c] * r;
+        const float dn = weighted ? h * w[c] : h;
+        dxr[c] = dn;
+        dot += dn * nc;
+        if (dw) dw[c] += h * nc;
+    }
+    const float k = r * dot / (float)D; /* dx = r dn - x r^2 mean(dn n) */
+    for (int64_t c = 0; c < D; c++) dxr[c] = r * dxr[c] - xr[c] * r * k;
+}
+
 void k3_rms_norm_grad(const float *x, const float *g, const float *w, const float *dy, float *dx, float *dg,
                       float *dw_part, int64_t N, int64_t D, float eps, int64_t threads) {
 #pragma omp parallel num_threads(threads) if (N * D >= MIN_PARALLEL_ELEMENTS && threads > 1)
@@ -75,21 +99,14 @@ void k3_rms_norm_grad(const float *x, const float *g, const float *w, const floa
             for (int64_t c = 0; c < D; c++) dw[c] = 0.0f;
 #pragma omp for schedule(static)
         for (int64_t n = 0; n < N; n++) {
-            const float *restrict xr = x + n * D, *restrict dyr = dy + n * D;
-            const float *restrict gr = g ? g + n * D : NULL;
-            float *restrict dxr = dx + n * D;
-            const float r = 1.0f / sqrtf(sum_squares(xr, D) / (float)D + eps);
-            float dot = 0.0f;
-            for (int64_t c = 0; c < D; c++) { /* dx holds dn for now */
-                const float s = gr ? sigmoid_poly(gr[c]) : 1.0f;
-                const float h = dyr[c] * s, dn = w ? h * w[c] : h, nc = xr[c] * r;
-                dxr[c] = dn;
-                dot += dn * nc;
-                if (dw) dw[c] += h * nc;
-                if (gr) dg[n * D + c] = dyr[c] * nc * (w ? w[c] : 1.0f) * s * (1.0f - s);
-            }
-            const float mean = dot / (float)D;
-            for (int64_t c = 0; c < D; c++) dxr[c] = r * (dxr[c] - xr[c] * r * mean);
+            const float *xr = x + n * D, *dyr = dy + n * D, *gr = g ? g + n * D : NULL;
+            float *dxr = dx + n * D, *dgr = g ? dg + n * D : NULL;
+            if (g)
+                rms_norm_grad_row(xr, gr, w, dyr, dxr, dgr, dw, D, eps, 1, 1);
+            else if (w)
+                rms_norm_grad_row(xr, NULL, w, dyr, dxr, NULL, dw, D, eps, 0, 1);
+            else
+                rms_norm_grad_row(xr, NULL, NULL, dyr, dxr, NULL, NULL, D, eps, 0, 0);
         }
         ftz_end(mode);
     }
