@@ -303,3 +303,39 @@ def test_blocked_unit_lower_solve_matches_the_one_call_solve(C, transpose):
     buf[..., 10:] = R
     unit_lower_solve_(A, buf[..., 10:], transpose)
     torch.testing.assert_close(buf[..., 10:], want, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("packed", [True, False], ids=["docs", "rows"])
+def test_native_state_pass_equals_the_torch_loop(monkeypatch, packed):
+    """The chunks' sequential state passes, forward and backward, as one native call per group of chunks
+    (csrc/kda_state.c) against the torch loops beside them: outputs, final states and every gradient,
+    with an initial state, documents that start and end inside a group and more chunks than one group
+    holds (the state carried from group to group)."""
+    import k3.ops.kda.chunk as chunk_module
+
+    g = torch.Generator().manual_seed(7)
+    T = 1200 if packed else 600
+    rows = 1 if packed else 2
+    cu = torch.tensor([0, 17, 700, 1200]) if packed else None
+    n_seq = 3 if packed else rows
+    q, k = (torch.randn(rows, T, H, K, generator=g).requires_grad_() for _ in range(2))
+    v = torch.randn(rows, T, H, 64, generator=g).requires_grad_()
+    gate = make_gate("safe", (rows, T, H, K), g).requires_grad_()
+    beta = torch.rand(rows, T, H, generator=g).requires_grad_()
+    h0 = torch.randn(n_seq, H, K, 64, generator=g).requires_grad_()
+    results, taken = {}, []
+    original = chunk_module._state_kernel
+    monkeypatch.setattr(
+        chunk_module, "_state_kernel", lambda *a: taken.append(original(*a) is not None) or original(*a)
+    )
+    dy, dfin = torch.randn(rows, T, H, 64, generator=g), torch.randn(n_seq, H, K, 64, generator=g)
+    for native in (True, False):
+        monkeypatch.setattr(chunk_module, "NATIVE_STATE_PASS", native)
+        o, final = chunk_kda(q, k, v, gate, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu)
+        grads = torch.autograd.grad((o * dy).sum() + (final * dfin).sum(), (q, k, v, gate, beta, h0))
+        results[native] = (o, final, *grads)
+    if not taken[0]:
+        pytest.skip("no C compiler: the native state pass cannot be built")
+    names = ("o", "final", "dq", "dk", "dv", "dg", "dbeta", "dh0")
+    for name, a, b in zip(names, results[True], results[False], strict=True):
+        assert_close(name, a, b, 1e-6)

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from k3.ops import native
 from k3.ops.kda import varlen
 from k3.ops.kda.decay import pick_sub_chunk
 from k3.ops.kda.fused import fused_fits, fused_forward
@@ -158,6 +159,9 @@ def _forward(q, k, v, g, beta, h0, plan):
         saved = [q.new_empty(NC + 1, BH, K, V), v.new_empty(NC, BH, C, V), q.new_empty(NC, BH, C, C)]
         saved += [q.new_empty(NC, BH, C, C), q.new_empty(NC, BH, C, V + K)]
     ws, S = Workspace(), None
+    fn = _state_kernel("k3_kda_state_forward", q, V)
+    h0c = None if h0 is None else h0.contiguous()  # (held: the kernel reads it through a raw pointer)
+    h0_ptr = None if h0c is None else h0c.data_ptr()
     for c0, c1 in plan.groups(NC):
         G, M = c1 - c0, (c1 - c0) * BH
         x = [t[c0:c1] for t in (q, k, v, g, beta)]
@@ -169,25 +173,66 @@ def _forward(q, k, v, g, beta, h0, plan):
             A_qk, A_kk = ws.get("A_qk", q, M, C, C), None if plan.halves else ws.get("A_kk", q, M, C, C)
             X = ws.get("X", q, M, C, V + K)
         qg, k_dec, decay = _local(x, plan, A_qk, A_kk, X, ws)
-        # per-chunk [BH, ...] views, made once per group (the loop is dispatch-bound)
-        per_chunk = (X[..., :V], X[..., V:], k_dec.mT, decay[..., None])
-        U, W, k_decT, dec = (t.unflatten(0, (G, BH)).unbind(0) for t in per_chunk)
-        S_ins, v_news = states.unbind(0), v_new.unbind(0)
-        for j, c in enumerate(range(c0, c1)):
-            if c in plan.first:
-                S = q.new_zeros(BH, K, V) if h0 is None else h0[plan.first[c]]
-            S_in = S_ins[j]
-            if S.data_ptr() != S_in.data_ptr():  # a segment's first chunk, or a new group without keep
-                S_in.copy_(S)
-            torch.baddbmm(U[j], W[j], S_in, alpha=-1, out=v_news[j])  # V' = U - W S
-            S = torch.mul(S_in, dec[j], out=S_ins[j + 1]).baddbmm_(k_decT[j], v_news[j])
-            if c in plan.last:
-                finals[plan.last[c]] = S
+        if fn is not None:  # the state pass in one native call (the loop below is its reference)
+            if S is None:
+                S = q.new_zeros(BH, K, V)
+            marks = _segment_marks(plan, c0, c1)
+            kd, dc = k_dec.contiguous(), decay.contiguous()
+            ptrs = (t.data_ptr() for t in (X, kd, dc, states, v_new, S, *marks))
+            fn(G, BH, C, K, V, *ptrs, h0_ptr, finals.data_ptr())
+        else:
+            S = _state_pass_torch(X, k_dec, decay, states, v_new, S, h0, finals, plan, c0, c1)
         o_g = torch.bmm(qg, states[:G].flatten(0, 1), out=o[c0:c1].flatten(0, 1))
         o_g.baddbmm_(A_qk, v_new.flatten(0, 1))
     if plan.keep:
         saved[0] = saved[0][:NC]
     return o, saved if plan.keep else (), finals
+
+
+def _state_pass_torch(X, k_dec, decay, states, v_new, S, h0, finals, plan, c0, c1):
+    """The forward state pass of chunks [c0, c1) in torch (the reference of `k3_kda_state_forward`,
+    csrc/kda_state.c): fills states [G + 1, BH, K, V], v_new and the finals of segments ending here;
+    returns the state leaving the group."""
+    G, BH, K, V = c1 - c0, states.shape[1], states.shape[2], states.shape[3]
+    # per-chunk [BH, ...] views, made once per group (the loop is dispatch-bound)
+    per_chunk = (X[..., :V], X[..., V:], k_dec.mT, decay[..., None])
+    U, W, k_decT, dec = (t.unflatten(0, (G, BH)).unbind(0) for t in per_chunk)
+    S_ins, v_news = states.unbind(0), v_new.unbind(0)
+    for j, c in enumerate(range(c0, c1)):
+        if c in plan.first:
+            S = states.new_zeros(BH, K, V) if h0 is None else h0[plan.first[c]]
+        S_in = S_ins[j]
+        if S.data_ptr() != S_in.data_ptr():  # a segment's first chunk, or a new group without keep
+            S_in.copy_(S)
+        torch.baddbmm(U[j], W[j], S_in, alpha=-1, out=v_news[j])  # V' = U - W S
+        S = torch.mul(S_in, dec[j], out=S_ins[j + 1]).baddbmm_(k_decT[j], v_news[j])
+        if c in plan.last:
+            finals[plan.last[c]] = S
+    return S
+
+
+# k3_kda_state_forward(G, R, C, K, V, X, k_dec, decay, states, v_new, carry, first, last, h0, finals)
+# k3_kda_state_backward(G, R, C, K, V, X, k_dec, decay, dS_out, dv_new, dS_next, carry, first, last, dfinals,
+#                       dh0)
+_STATE_ARGS = {
+    "k3_kda_state_forward": [native.I64] * 5 + [native.PTR] * 10,
+    "k3_kda_state_backward": [native.I64] * 5 + [native.PTR] * 11,
+}
+NATIVE_STATE_PASS = True  # False: the torch loops (tests compare the two)
+
+
+def _state_kernel(symbol: str, like: torch.Tensor, V: int):
+    """The native state pass `symbol` for fp32 CPU chunks with V a multiple of 16, else None."""
+    if not NATIVE_STATE_PASS or V % 16 or not native.fp32_cpu(like) or torch.compiler.is_compiling():
+        return None
+    return native.function("kda_state", symbol, _STATE_ARGS[symbol])
+
+
+def _segment_marks(plan, c0: int, c1: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The segment starting / ending at each chunk of [c0, c1), or -1: two int64 tensors [c1 - c0]."""
+    first = torch.tensor([plan.first.get(c, -1) for c in range(c0, c1)], dtype=torch.int64)
+    last = torch.tensor([plan.last.get(c, -1) for c in range(c0, c1)], dtype=torch.int64)
+    return first, last
 
 
 def _local(x, plan, A_qk, A_kk, X, ws):
@@ -208,24 +253,44 @@ def _backward(q, k, v, g, beta, states, v_new, A_qk, A_kk, X, do, dfinals, plan,
     grads = [torch.empty_like(t) for t in (q, k, v, g, beta)]
     dh0 = q.new_zeros(len(plan.segments), BH, K, V) if has_h0 else None
     ws, dS = Workspace(), None
+    fn = _state_kernel("k3_kda_state_backward", q, V)
+    dfinals = None if dfinals is None else dfinals.contiguous()
     for c0, c1 in reversed(plan.groups(NC)):
         group = (q, k, v, g, beta, states, v_new, A_qk, A_kk, X, do)
         q_, k_, v_, g_, beta_, S_, vn_, A_qk_, A_kk_, X_, do_ = (t[c0:c1].flatten(0, 1) for t in group)
         loc = local_factors(q_, k_, g_, beta_, plan.sub, plan.scale, plan.l2norm, ws)
-        W = X_[..., V:]
         dv_new = torch.bmm(A_qk_.mT, do_)  # A_qk^T dO; the state term is added below
         dS_out = torch.bmm(loc.qg.mT, do_)  # (exp(Γ) Q)^T dO, the output's pull on the entering state
         dS_next = q.new_empty(dv_new.shape[0], K, V)
-        for c in reversed(range(c0, c1)):
-            if c in plan.last:
-                dS = q.new_zeros(BH, K, V) if dfinals is None else dfinals[plan.last[c]]
-            i = slice((c - c0) * BH, (c - c0 + 1) * BH)
-            dS_next[i] = dS
-            dv_new[i].baddbmm_(loc.k_dec[i], dS)
-            dS = (dS * loc.f.decay[i, :, None]).add_(dS_out[i]).baddbmm_(W[i].mT, dv_new[i], alpha=-1)
-            if dh0 is not None and c in plan.first:
-                dh0[plan.first[c]] = dS
+        if fn is not None:  # the reverse state pass in one native call (the loop is its reference)
+            if dS is None:
+                dS = q.new_zeros(BH, K, V)
+            first, last = _segment_marks(plan, c0, c1)
+            Xc, kd, dc = X_.contiguous(), loc.k_dec.contiguous(), loc.f.decay.contiguous()
+            ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
+            fn(c1 - c0, BH, C, K, V, *(ptr(t) for t in (Xc, kd, dc, dS_out, dv_new, dS_next, dS, first, last,
+                                                         dfinals, dh0)))  # fmt: skip
+        else:
+            dS = _state_backward_torch(X_, loc, dS_out, dv_new, dS_next, dS, dfinals, dh0, plan, c0, c1)
         local = local_backward(loc, q_, k_, v_, beta_, A_kk_, X_, S_, dS_next, vn_, dv_new, do_, ws)
         for dst, src in zip(grads, local, strict=True):
             dst[c0:c1] = src.view(c1 - c0, BH, *src.shape[1:])
     return (*grads, dh0)
+
+
+def _state_backward_torch(X_, loc, dS_out, dv_new, dS_next, dS, dfinals, dh0, plan, c0, c1):
+    """The reverse state pass of chunks [c0, c1) in torch (the reference of `k3_kda_state_backward`):
+    adds the state's pull to dv_new, fills dS_next and dh0 of segments starting here; returns the
+    gradient of the state entering the group."""
+    BH, (K, V) = dS_out.shape[0] // (c1 - c0), dS_out.shape[1:]
+    W = X_[..., V:]
+    for c in reversed(range(c0, c1)):
+        if c in plan.last:
+            dS = dS_out.new_zeros(BH, K, V) if dfinals is None else dfinals[plan.last[c]]
+        i = slice((c - c0) * BH, (c - c0 + 1) * BH)
+        dS_next[i] = dS
+        dv_new[i].baddbmm_(loc.k_dec[i], dS)
+        dS = (dS * loc.f.decay[i, :, None]).add_(dS_out[i]).baddbmm_(W[i].mT, dv_new[i], alpha=-1)
+        if dh0 is not None and c in plan.first:
+            dh0[plan.first[c]] = dS
+    return dS
