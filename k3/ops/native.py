@@ -38,7 +38,7 @@ FLAGS = (
 # kernels that run a thread team (OpenMP: the runtime torch itself loads, so one pool of threads)
 _TEAM_KERNELS = (
     "decode_step", "moe_experts", "mla_stream", "kda_pointwise", "omp_pool", "rms_norm", "attn_res",
-    "situ_glu", "cross_entropy", "kda_state",
+    "situ_glu", "cross_entropy", "kda_state", "unit_lower_solve",
 )  # fmt: skip
 EXTRA_FLAGS = {name: ("-fopenmp",) for name in _TEAM_KERNELS}
 _lock = threading.Lock()

@@ -47,9 +47,14 @@ static void fold(float *xi, const float *coef, int64_t coef_stride, const float 
         fold_tail(xi, coef, coef_stride, X, x_row, j0, j1, w);
 }
 
+#define MIN_PARALLEL_WORK (1 << 17) /* C x N elements over all systems */
+
 void k3_unit_lower_solve(const float *A, int64_t a_batch, int64_t a_half, int64_t a_row, int64_t h,
                          float *X, int64_t x_batch, int64_t x_row, int64_t M, int64_t C, int64_t N,
                          int transpose) {
+    /* the systems are independent: split over torch's threads (OpenMP) when there are enough of them,
+     * so the result does not depend on the team's size */
+#pragma omp parallel for schedule(static) if (M >= 4 && M * C * N >= MIN_PARALLEL_WORK)
     for (int64_t m = 0; m < M; m++) {
         const float *Am = A + m * a_batch;
         for (int64_t n0 = 0; n0 < N; n0 += STRIP) {
