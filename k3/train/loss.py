@@ -43,9 +43,11 @@ class _ChunkedLinearCE(torch.autograd.Function):
             total = hf.new_zeros(())
             fused = _xent_kernel(hf, labels)
             labels64 = labels.long().where(valid, -1).contiguous() if fused is not None else None
+            # one logits buffer for every chunk: a fresh multi-MB tensor per chunk costs page faults
+            buf = hf.new_empty(min(chunk, hf.shape[0]), wf.shape[0])
             for lo in range(0, hf.shape[0], chunk):
                 hc, lab, ok = hf[lo : lo + chunk], labels[lo : lo + chunk], valid[lo : lo + chunk]
-                logits = hc @ wf.T  # [c, V]
+                logits = torch.mm(hc, wf.T, out=buf[: hc.shape[0]])  # [c, V]
                 if fused is not None:  # the same maths in one native call, in place of the logits
                     p, rows_loss = logits, torch.empty(logits.shape[0])
                     lab64 = labels64[lo : lo + chunk]
