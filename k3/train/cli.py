@@ -49,7 +49,8 @@ _TRAIN_FLAGS = {  # flag -> (TrainConfig field, type, help)
     "--final-eval-tokens": (
         "final_eval_tokens",
         int,
-        "validation tokens of the final evaluation (default: the whole split; 0: no final evaluation)",
+        "validation tokens of the final evaluation (default: the whole split, or for a short --steps run "
+        "max(--eval-tokens, 3 x its training tokens); 0: no final evaluation)",
     ),
     "--save-every": ("save_every", int, "checkpoint every N steps (0: only at the end)"),
     "--keep": ("keep", int, "training checkpoints to keep"),

@@ -64,7 +64,8 @@ class TrainConfig:
     out: str | None = None  # None: runs/<preset>-<timestamp>
     eval_every: int | None = None  # steps; 0: only at the end; None: 4 evaluations spread over the run
     eval_tokens: int = 16384  # validation tokens per evaluation during training
-    final_eval_tokens: int | None = None  # the final evaluation's targets; None: the whole split, 0: none
+    final_eval_tokens: int | None = None  # the final evaluation's targets; 0: none; None: the whole split
+    # (a short `steps` run: at most max(eval_tokens, 3 x its training tokens), Trainer.final_eval_limit)
     save_every: int = 200  # steps; 0: only at the end
     keep: int = 2  # training checkpoints kept
     log_every: int = 10

@@ -316,7 +316,7 @@ class Trainer:
         """Bits per byte of the compressors and of the unigram model on exactly the bytes the final
         evaluation scores (k3.train.baselines; {} without a final evaluation); logged once as a
         `baselines` event for loss.png."""
-        es, limit = self.eval_set, self.tc.final_eval_tokens
+        es, limit = self.eval_set, self.final_eval_limit()
         if limit == 0:
             return {}
         if limit is None or -(-limit // es.seq_len) >= es.rows:
@@ -392,7 +392,8 @@ class Trainer:
         if self._final is not None:
             return self._final[0]
         tc = self.tc
-        if final and tc.final_eval_tokens == 0:
+        limit = self.final_eval_limit()
+        if final and limit == 0:
             return None
         t0 = time.perf_counter()
         with self.phase("final eval" if final else "evals") as note:
@@ -403,7 +404,7 @@ class Trainer:
                 self.tokenizer.eos_id,
                 seq_len=tc.seq_len,
                 batch_size=self._final_eval_rows() if final else tc.batch_size,
-                max_tokens=tc.final_eval_tokens if final else tc.eval_tokens,
+                max_tokens=limit if final else tc.eval_tokens,
                 bf16=tc.bf16,
                 unigram_logp=self.unigram_logp,
                 runtime=self.rt,
@@ -421,9 +422,24 @@ class Trainer:
 
     def _final_eval_rows(self) -> int:
         """Rows per forward of the final evaluation (k3.train.evaluate.eval_batch_rows)."""
-        tc, es = self.tc, self.eval_set
-        rows = es.rows if not tc.final_eval_tokens else min(es.rows, -(-tc.final_eval_tokens // es.seq_len))
+        tc, es, limit = self.tc, self.eval_set, self.final_eval_limit()
+        rows = es.rows if not limit else min(es.rows, -(-limit // es.seq_len))
         return eval_batch_rows(tc.seq_len, tc.batch_size, self.rt.world_size, rows)
+
+    def final_eval_limit(self) -> int | None:
+        """The final evaluation's targets (None: the whole split). `final_eval_tokens` when set; by default
+        the whole split, unless the run is a short `--steps` one whose training costs less than scoring
+        the split would (a forward is ~1/3 of a training step per token): then max(eval_tokens, 3 x its
+        training tokens), so a `--steps 2` run of a large preset does not spend minutes on its final
+        number (the summary says how many tokens it scored)."""
+        tc, es = self.tc, self.eval_set
+        if tc.final_eval_tokens is not None:
+            return tc.final_eval_tokens
+        if tc.steps is None or self.state["total_steps"] is None:  # a time-bounded run: the whole split
+            return None
+        trained = self.state["total_steps"] * tc.batch_size * tc.seq_len * tc.grad_accum
+        split = es.rows * es.seq_len
+        return None if 3 * trained >= split else max(tc.eval_tokens, 3 * trained)
 
     def plot(self) -> None:
         """Redraw loss.png from metrics.jsonl (a fixed cost: the "plots" phase)."""

@@ -35,3 +35,22 @@ def _prefix_bytes(trainer) -> bytes:
     from k3.train.baselines import eval_rows_bytes
 
     return eval_rows_bytes(trainer.eval_set, 2, trainer.tokenizer)
+
+
+def test_short_steps_runs_cap_the_default_final_eval_at_three_times_their_training(make_tc):
+    """By default the final evaluation scores the whole split, unless a `--steps` run trains on fewer
+    tokens than a third of it (scoring would cost more than the training): then it scores
+    max(eval_tokens, 3 x the training tokens), and says so. An explicit final_eval_tokens always wins,
+    and a run long enough scores everything."""
+    probe = Trainer(make_tc("probe", steps=1, sample_tokens=0, eval_tokens=64), quiet=True)
+    split = probe.eval_set.rows * probe.eval_set.seq_len
+    tokens_per_step = probe.tc.batch_size * probe.tc.seq_len
+    assert 3 * tokens_per_step < split, "the synthetic corpus's split must be larger than 3 steps"
+    assert probe.final_eval_limit() == max(64, 3 * tokens_per_step)
+    summary = probe.run(measure_peak=False)
+    assert summary["val_tokens"] < summary["val_tokens_total"]
+    long_steps = -(-split // (3 * tokens_per_step))
+    assert Trainer(make_tc("long", steps=long_steps), quiet=True).final_eval_limit() is None
+    assert (
+        Trainer(make_tc("explicit", steps=1, final_eval_tokens=10**9), quiet=True).final_eval_limit() == 10**9
+    )
