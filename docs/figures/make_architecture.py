@@ -383,7 +383,8 @@ def main(out: Path | None = None) -> Path:
     ax.text(
         41,
         5.2,
-        "Equations: docs/architecture.md and docs/spec.md#forward; code: k3/model/{transformer,attnres,kda,mla,moe}.py",
+        "Equations: docs/architecture.md and docs/spec.md#forward; "
+        "code: k3/model/{transformer,attnres,kda,mla,moe}.py",
         fontsize=8,
         color="#444444",
     )
