@@ -90,8 +90,12 @@ def attn_res_native(sources: list[torch.Tensor], qk: torch.Tensor, eps: float) -
         and qk.is_contiguous()
     )
     fn = native.kernel_function("attn_res", "k3_attn_res", _NATIVE_ARGS, qk, *sources) if fits else None
-    if fn is None:
-        return None
+    return None if fn is None else _mix(fn, sources, qk, eps)
+
+
+def _mix(fn, sources: list[torch.Tensor], qk: torch.Tensor, eps: float) -> torch.Tensor:
+    """One call of the forward kernel `fn` (k3_attn_res) on contiguous fp32 sources -> a new [..., D]."""
+    s0 = sources[0]
     out = torch.empty_like(s0)
     ptrs = torch.tensor([v.data_ptr() for v in sources], dtype=torch.int64)
     D = s0.shape[-1]
@@ -111,11 +115,7 @@ class _AttnRes(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, qk, eps, *sources):
-        fn = native.function("attn_res", "k3_attn_res", _NATIVE_ARGS)
-        s0, D = sources[0], qk.shape[0]
-        out = torch.empty_like(s0)
-        ptrs = torch.tensor([v.data_ptr() for v in sources], dtype=torch.int64)
-        fn(ptrs.data_ptr(), len(sources), s0.numel() // D, D, qk.data_ptr(), eps, out.data_ptr())
+        out = _mix(native.function("attn_res", "k3_attn_res", _NATIVE_ARGS), list(sources), qk, eps)
         ctx.save_for_backward(qk, *sources)
         ctx.eps = eps
         return out

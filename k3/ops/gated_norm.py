@@ -14,10 +14,7 @@ form's eight passes over o run from memory once it outgrows L2 (k3-small prefill
 import torch
 
 from k3.ops import native
-from k3.ops.norm import rms_norm_train
-
-# k3_gated_rms_norm(o, g, w, y, N, V, eps)
-_ARGS = [native.PTR] * 4 + [native.I64] * 2 + [native.F32]
+from k3.ops.norm import GATED_ARGS, rms_norm_train
 
 
 def _check(o: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor) -> None:
@@ -33,7 +30,7 @@ def gated_rms_norm(o: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
     out = rms_norm_train(o, gate, weight, eps)
     if out is not None:
         return out
-    fn = native.kernel_function("rms_norm", "k3_gated_rms_norm", _ARGS, o, gate, weight)
+    fn = native.kernel_function("rms_norm", "k3_gated_rms_norm", GATED_ARGS, o, gate, weight)
     if fn is None or o.numel() == 0:
         return gated_rms_norm_reference(o, gate, weight, eps)
     oc, gc, w = o.contiguous(), gate.contiguous(), weight.contiguous()

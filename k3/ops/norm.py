@@ -49,7 +49,7 @@ def rms_norm_native(x: torch.Tensor, weight: torch.Tensor | None, eps: float) ->
     return y
 
 
-_FWD_GATED = [native.PTR] * 4 + [native.I64] * 2 + [native.F32]  # k3_gated_rms_norm(o, g, w, y, N, V, eps)
+GATED_ARGS = [native.PTR] * 4 + [native.I64] * 2 + [native.F32]  # k3_gated_rms_norm(o, g, w, y, N, V, eps)
 # k3_rms_norm_grad(x, g, w, dy, dx, dg, dw_part, N, D, eps, threads)
 _GRAD_ARGS = [native.PTR] * 7 + [native.I64] * 2 + [native.F32, native.I64]
 
@@ -68,7 +68,7 @@ class _RMSNormFn(torch.autograd.Function):
             fn = native.function("rms_norm", "k3_rms_norm", _ARGS)
             fn(x.data_ptr(), ptr(weight), y.data_ptr(), N, D, eps)
         else:
-            fn = native.function("rms_norm", "k3_gated_rms_norm", _FWD_GATED)
+            fn = native.function("rms_norm", "k3_gated_rms_norm", GATED_ARGS)
             fn(x.data_ptr(), gate.data_ptr(), weight.data_ptr(), y.data_ptr(), N, D, eps)
         ctx.save_for_backward(x, gate, weight)
         ctx.eps = eps

@@ -112,15 +112,7 @@ def orthogonalize(update: Tensor, head_split: HeadSplit = None, **ns_kwargs) -> 
     Every block is its own matrix in one batched call; blocks are put back where they came from.
     """
     check_head_split(update.shape, head_split)
-    if head_split is None:
-        return newton_schulz(update, **ns_kwargs)
-    axis, num_heads = head_split
-    *lead, rows, cols = update.shape
-    if axis == 0:
-        blocks = update.reshape(*lead, num_heads, rows // num_heads, cols)
-        return newton_schulz(blocks, **ns_kwargs).reshape(update.shape)
-    blocks = update.reshape(*lead, rows, num_heads, cols // num_heads).transpose(-3, -2)
-    return newton_schulz(blocks, **ns_kwargs).transpose(-3, -2).reshape(update.shape)
+    return _unblock(newton_schulz(_blocks(update, head_split), **ns_kwargs), update.shape, head_split)
 
 
 def orthogonalize_many(items: list[tuple[Tensor, HeadSplit, dict]]) -> list[Tensor]:
@@ -275,7 +267,7 @@ class Muon(torch.optim.Optimizer):
         return head_split, dict(steps=group["ns_steps"], eps=group["eps"], dtype=group["ns_dtype"])
 
     def _apply(self, p: Tensor, group: dict, update: Tensor) -> None:
-        head_split = group["head_split"] if group["per_head"] else None
+        head_split = self._ns_args(group)[0]
         scale = update_scale(p.shape, head_split, group["rms_scale_by"])
         p.mul_(1 - group["lr"] * group["weight_decay"])
         p.add_(update, alpha=-group["lr"] * scale)

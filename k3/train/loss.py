@@ -45,21 +45,14 @@ class _ChunkedLinearCE(torch.autograd.Function):
             labels64 = labels.long().where(valid, -1).contiguous() if fused is not None else None
             # one logits buffer for every chunk: a fresh multi-MB tensor per chunk costs page faults
             buf = hf.new_empty(min(chunk, hf.shape[0]), wf.shape[0])
+            rows_loss, scale = hf.new_empty(buf.shape[0]), 1 / n.item()  # (the native path's)
             for lo in range(0, hf.shape[0], chunk):
                 hc, lab, ok = hf[lo : lo + chunk], labels[lo : lo + chunk], valid[lo : lo + chunk]
                 logits = torch.mm(hc, wf.T, out=buf[: hc.shape[0]])  # [c, V]
                 if fused is not None:  # the same maths in one native call, in place of the logits
-                    p, rows_loss = logits, torch.empty(logits.shape[0])
-                    lab64 = labels64[lo : lo + chunk]
-                    fused(
-                        p.data_ptr(),
-                        lab64.data_ptr(),
-                        rows_loss.data_ptr(),
-                        p.shape[0],
-                        p.shape[1],
-                        1 / n.item(),
-                    )
-                    total += rows_loss.sum()
+                    p, c = logits, hc.shape[0]
+                    fused(p.data_ptr(), labels64[lo:].data_ptr(), rows_loss.data_ptr(), c, p.shape[1], scale)
+                    total += rows_loss[:c].sum()
                 else:
                     p = _softmax_xent_grad(logits, lab, ok, n, total)
                 torch.mm(p, wf, out=grad_h[lo : lo + chunk])
